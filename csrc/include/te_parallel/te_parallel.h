@@ -1,0 +1,76 @@
+/*
+ * te_parallel C API: the framework-agnostic surface of the native kernels.
+ *
+ * Plain C so that any framework (the pybind11 module here, or a C/C++ host) can call it: device memory
+ * is passed as raw pointers with shapes, streams as opaque `void*` (a cudaStream_t). No torch, no
+ * pybind11, no CUDA headers are needed to include this file.
+ *
+ * Errors: every entry point that can fail returns a tep_status; on failure tep_last_error() returns a
+ * one-line message (thread-local, valid until the next failure on the same thread).
+ */
+#ifndef TE_PARALLEL_TE_PARALLEL_H_
+#define TE_PARALLEL_TE_PARALLEL_H_
+
+#if defined(__GNUC__)
+#define TEP_API __attribute__((visibility("default")))
+#else
+#define TEP_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  TEP_SUCCESS = 0,
+  TEP_ERROR_INVALID_ARGUMENT = 1,
+  TEP_ERROR_CUDA = 2
+} tep_status;
+
+/* Library version, "MAJOR.MINOR.PATCH". */
+TEP_API const char* tep_version(void);
+
+/* Message of the last failure on the calling thread ("" if none yet). */
+TEP_API const char* tep_last_error(void);
+
+/* CUDA runtime version the library was built with, e.g. 13000 (cudart is linked statically). */
+TEP_API int tep_cuda_runtime_version(void);
+
+/* Number of visible CUDA devices; 0 (never a crash) when there is no driver or no GPU. */
+TEP_API int tep_device_count(void);
+
+/*
+ * Delayed-scaling state of one group of FP8 tensors (e.g. one module's forward operands).
+ *   amax_history: device fp32 [history_len, num_tensors], row-major; row 0 is the most recent step.
+ *   scale, scale_inv: device fp32 [num_tensors].
+ * Different states must not overlap in memory.
+ */
+typedef struct {
+  float* amax_history;
+  float* scale;
+  float* scale_inv;
+  int history_len;
+  int num_tensors;
+} tep_scaling_state;
+
+/*
+ * For every state and tensor column j (all states in one kernel launch, one CUDA block per state):
+ *   amax_j = max over rows of amax_history[:, j] (NaN propagates)   if amax_algo == 0
+ *   amax_j = amax_history[0, j]                                      if amax_algo == 1
+ *   if update_scale:
+ *     new = (fp8_max / amax_j) / scale_divisor                       (two IEEE fp32 divisions)
+ *     scale[j] = new if isfinite(amax_j) && amax_j > 0 && isfinite(new), else unchanged
+ *     scale_inv[j] = 1 / scale[j]
+ *   amax_history rolls down one row in place; row 0 becomes 0.
+ * Asynchronous on `stream` (a cudaStream_t; NULL = legacy default stream). `states` is a host array,
+ * read before the call returns. The calling thread's current CUDA device must own the stream.
+ */
+TEP_API tep_status tep_delayed_scaling_update(const tep_scaling_state* states, int num_states,
+                                              float fp8_max, float scale_divisor, int amax_algo,
+                                              int update_scale, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TE_PARALLEL_TE_PARALLEL_H_ */

@@ -1,0 +1,187 @@
+"""Build of te_parallel's native extension, te_parallel._C (metadata lives in pyproject.toml).
+
+The extension needs no torch at build time: kernels take raw device pointers (csrc/include), and the
+pybind11 binding passes them as integers. So the build is nvcc + the host C++ compiler + pybind11,
+and cudart is linked statically: `import te_parallel._C` then works on machines without a GPU or a
+libcudart.so (CPU CI), and never depends on which CUDA runtime torch ships.
+
+Without nvcc (or with TE_PARALLEL_SKIP_NATIVE=1) no extension is built; te_parallel then runs on its
+pure-PyTorch fallbacks (te_parallel/_native.py warns once at run time).
+
+Build-time switches (environment):
+  TE_PARALLEL_CUDA_ARCHS   "89;90;100" by default; ';' or ',' separated; "90a", "sm_90", "9.0" accepted.
+                           SASS for each, plus PTX of the highest for newer GPUs.
+  TE_PARALLEL_SKIP_NATIVE  "1": build no extension.
+  MAX_JOBS                 parallel compiler processes (default min(4, CPU count)).
+  CUDA_HOME / CUDA_PATH    where to look for bin/nvcc before PATH and /usr/local/cuda/bin.
+  CXX                      host C++ compiler (default c++); also given to nvcc as -ccbin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+DEFAULT_ARCHS = "89;90;100"  # Ada (first FP8 GPUs), Hopper, Blackwell; all accepted by nvcc 13.0
+_ARCH_RE = re.compile(r"^(\d{2,3})([af]?)$")
+
+
+def find_nvcc() -> str | None:
+    """nvcc from CUDA_HOME/CUDA_PATH, then PATH, then /usr/local/cuda/bin; None if there is none."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return on_path
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def native_skip_reason() -> str | None:
+    """Why no extension will be built, as the one line to print; None if it will be."""
+    if os.environ.get("TE_PARALLEL_SKIP_NATIVE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return ("te_parallel: TE_PARALLEL_SKIP_NATIVE is set; installing the pure-PyTorch package "
+                "without native kernels")
+    if find_nvcc() is None:
+        return ("te_parallel: nvcc not found; installing the pure-PyTorch package without native "
+                "kernels")
+    return None
+
+
+def parse_archs(spec: str) -> list[str]:
+    """'89;90a,sm_100' -> ['89', '90a', '100'] (sorted by number, deduplicated)."""
+    archs: list[str] = []
+    for token in re.split(r"[;,\s]+", spec.strip()):
+        if not token:
+            continue
+        arch = token.lower().removeprefix("sm_").removeprefix("compute_").replace(".", "")
+        if not _ARCH_RE.match(arch):
+            raise SystemExit(f"te_parallel: TE_PARALLEL_CUDA_ARCHS has {token!r}; need entries like "
+                             f"'90', '90a' or '9.0' separated by ';' or ','")
+        if arch not in archs:
+            archs.append(arch)
+    if not archs:
+        raise SystemExit(f"te_parallel: TE_PARALLEL_CUDA_ARCHS={spec!r} names no architecture")
+    return sorted(archs, key=lambda a: (int(_ARCH_RE.match(a).group(1)), a))
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    """SASS for every arch, and PTX of the highest so that newer GPUs can JIT it."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    return flags
+
+
+def max_jobs() -> int:
+    value = os.environ.get("MAX_JOBS")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"te_parallel: MAX_JOBS={value!r}; need a positive integer")
+        return int(value)
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def run_command(cmd: list[str]) -> None:
+    print(" ".join(shlex.quote(c) for c in cmd), flush=True)
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.stdout:
+        print(result.stdout, end="", flush=True)
+    if result.returncode != 0:
+        raise SystemExit(f"te_parallel: command failed with exit code {result.returncode}: {cmd[0]}")
+
+
+class NvccBuildExt(build_ext):
+    """Compiles csrc/**/*.cu with nvcc and csrc/bindings/*.cpp with the host compiler, in parallel,
+    and links them with cudart_static into te_parallel/_C*.so (the path setuptools asks for, so
+    that --inplace and editable installs put it where `import te_parallel._C` finds it)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        start = time.monotonic()
+        nvcc = find_nvcc()
+        archs = parse_archs(os.environ.get("TE_PARALLEL_CUDA_ARCHS", DEFAULT_ARCHS))
+        cxx = shlex.split(os.environ.get("CXX", "c++"))
+        obj_dir = Path(self.build_temp).resolve() / "te_parallel_C"
+        obj_dir.mkdir(parents=True, exist_ok=True)
+        sources = [ROOT / s for s in ext.sources]
+        jobs = [self._nvcc_job(nvcc, cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cu"]
+        jobs += [self._cxx_job(cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cpp"]
+        with ThreadPoolExecutor(max_workers=max_jobs()) as pool:
+            list(pool.map(run_command, [cmd for cmd, _ in jobs]))  # list(): re-raise failures
+        out = Path(self.get_ext_fullpath(ext.name)).resolve()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # nvcc as the linker driver adds the static cudart and its system libraries (-ldl -lrt
+        # -lpthread) itself; --exclude-libs keeps cudart's symbols private to this .so, so they never
+        # interpose with (or get interposed by) the libcudart.so that torch loads globally.
+        link = [nvcc, "-shared", "-cudart", "static", "-o", str(out), *[str(o) for _, o in jobs],
+                "-Xlinker", "--exclude-libs,ALL"]
+        if "CXX" in os.environ:
+            link[1:1] = ["-ccbin", cxx[0]]
+        run_command(link)
+        print(f"te_parallel: built {out.name} for sm_{', sm_'.join(archs)} "
+              f"in {time.monotonic() - start:.1f} s", flush=True)
+
+    @staticmethod
+    def _nvcc_job(nvcc, cxx, archs, src: Path, obj_dir: Path):
+        obj = obj_dir / (src.relative_to(CSRC).as_posix().replace("/", "_") + ".o")
+        cmd = [nvcc, "-c", str(src), "-o", str(obj), "-O3", "-std=c++17",
+               "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+               f"-I{CSRC / 'include'}", *gencode_flags(archs)]
+        if "CXX" in os.environ:
+            cmd += ["-ccbin", cxx[0]]
+        return cmd, obj
+
+    @staticmethod
+    def _cxx_job(cxx, archs, src: Path, obj_dir: Path):
+        import pybind11  # build requirement; imported here so the no-nvcc path never needs it
+
+        obj = obj_dir / (src.relative_to(CSRC).as_posix().replace("/", "_") + ".o")
+        py_includes = {sysconfig.get_paths()["include"], sysconfig.get_paths()["platinclude"]}
+        cmd = [*cxx, "-c", str(src), "-o", str(obj), "-O3", "-std=c++17", "-fPIC",
+               "-fvisibility=hidden", f"-DTEP_BUILT_ARCHS=\"{';'.join(archs)}\"",
+               f"-I{CSRC / 'include'}", f"-I{pybind11.get_include()}",
+               *[f"-I{p}" for p in sorted(py_includes)]]
+        return cmd, obj
+
+
+class NoticeBuildPy(build_py):
+    """Prints the one line that says the native kernels are skipped (build_py runs once per build,
+    editable or not; setup.py itself is run several times by pip)."""
+
+    def run(self) -> None:
+        reason = native_skip_reason()
+        if reason:
+            print(reason, file=sys.stderr, flush=True)
+        super().run()
+
+
+def native_extension() -> Extension:
+    """te_parallel._C from every csrc/**/*.cu plus the binding. Paths are relative to the project
+    root (as setuptools wants them), which also puts sources and headers into an sdist."""
+
+    def rel(pattern: str) -> list[str]:
+        return sorted(p.relative_to(ROOT).as_posix() for p in CSRC.glob(pattern))
+
+    sources = rel("**/*.cu") + rel("bindings/*.cpp")
+    return Extension("te_parallel._C", sources=sources, depends=rel("**/*.h") + rel("**/*.cuh"))
+
+
+setup(
+    ext_modules=[] if native_skip_reason() else [native_extension()],
+    cmdclass={"build_ext": NvccBuildExt, "build_py": NoticeBuildPy},
+)

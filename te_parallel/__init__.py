@@ -1,0 +1,22 @@
+"""te_parallel: tensor-parallel FP8 transformer layers with Transformer Engine's PyTorch API.
+
+    import te_parallel as te
+    from te_parallel.common import recipe
+"""
+from te_parallel import recipe
+from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
+from te_parallel.module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "fp8_autocast",
+    "is_fp8_available",
+    "Float8Tensor",
+    "recipe",
+]

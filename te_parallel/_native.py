@@ -1,0 +1,147 @@
+"""The compiled kernels (te_parallel._C): lazy loading, and the checked Python wrappers around them.
+
+Layering (STYLE.md rule 9): csrc/ kernels know no torch; te_parallel._C passes raw device pointers
+and the stream as integers; this module turns torch tensors into those, after checking everything
+the kernel relies on (device, dtype, contiguity, shapes), so a wrong call fails here with a clear
+one-line message instead of corrupting memory. Each op here has a pure-PyTorch reference (for the
+scale update: te_parallel.fp8.scaling.update_delayed_scaling_torch) that it matches bit for bit.
+
+The package works without the extension (built without nvcc): callers ask `available()` and use
+their PyTorch fallback; `load()` warns once per process that the kernels are absent.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+from typing import NoReturn, Sequence, Tuple
+
+import torch
+
+__all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update"]
+
+_ALGOS = {"max": 0, "most_recent": 1}
+
+_module: ModuleType | None = None
+_load_attempted = False
+
+
+class NativeKernelsAbsentWarning(UserWarning):
+    """te_parallel._C could not be imported; te_parallel runs on its PyTorch fallbacks."""
+
+
+def load() -> ModuleType | None:
+    """te_parallel._C, imported on first use and cached; None (with one warning) if absent."""
+    global _module, _load_attempted
+    if not _load_attempted:
+        _load_attempted = True
+        try:
+            _module = importlib.import_module("te_parallel._C")
+        except ImportError as err:
+            warnings.warn(_absent_message(err), NativeKernelsAbsentWarning, stacklevel=2)
+    return _module
+
+
+def _absent_message(err: ImportError) -> str:
+    if isinstance(err, ModuleNotFoundError) and err.name == "te_parallel._C":
+        return ("te_parallel: native kernels are absent (package built without nvcc); PyTorch "
+                "fallbacks are used. Reinstall with nvcc on PATH to build them.")
+    # Built but not loadable (e.g. a build for another Python): say why rather than "absent".
+    return (f"te_parallel: native kernels failed to load ({type(err).__name__}: {err}); PyTorch "
+            f"fallbacks are used. Rebuild with `pip install --no-build-isolation -e .`.")
+
+
+def available() -> bool:
+    """True if te_parallel._C imports (warns once if it does not)."""
+    return load() is not None
+
+
+def _describe(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    layout = "contiguous" if t.is_contiguous() else "non-contiguous"
+    return f"{tuple(t.shape)} {t.dtype} {layout} on {t.device}"
+
+
+def _state_tuple(state: Sequence[object], device_index: int) -> Tuple[int, ...] | None:
+    """(hist_ptr, scale_ptr, scale_inv_ptr, L, n) if `state` is what the kernel needs, else None.
+
+    This runs for every state at every step, so it is one cheap chain of tensor queries (about 3 us
+    per state; isinstance and torch.device objects cost more); _raise_state_error says what is wrong.
+    get_device() is -1 on CPU, so comparing it with a CUDA index also checks is_cuda.
+    """
+    try:
+        hist, scale, scale_inv = state
+        f32 = torch.float32
+        ok = (hist.dim() == 2 and scale.dim() == 1 and scale_inv.dim() == 1
+              and hist.dtype is f32 and scale.dtype is f32 and scale_inv.dtype is f32
+              and hist.get_device() == device_index and scale.get_device() == device_index
+              and scale_inv.get_device() == device_index
+              and hist.is_contiguous() and scale.is_contiguous() and scale_inv.is_contiguous())
+        if ok:
+            L, n = hist.shape
+            if L >= 1 and n >= 1 and scale.shape[0] == n and scale_inv.shape[0] == n:
+                return (hist.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), L, n)
+    except (TypeError, ValueError, AttributeError):  # not a 3-sequence of tensors
+        pass
+    return None
+
+
+def _raise_state_error(i: int, state: object, device: torch.device | None) -> NoReturn:
+    """Raises the one-line ValueError that says what is wrong with states[i]."""
+    where = f"fused_delayed_scaling_update: states[{i}]"
+    items = tuple(state) if isinstance(state, (tuple, list)) else None
+    if items is None or len(items) != 3:
+        got = f"has {len(items)} items" if items is not None else f"is a {type(state).__name__}"
+        raise ValueError(f"{where} {got}; need (amax_history, scale, scale_inv) tensors")
+    for name, t in zip(("amax_history", "scale", "scale_inv"), items):
+        ok = (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.float32
+              and t.is_contiguous() and (device is None or t.device == device))
+        if not ok:
+            need = f"contiguous torch.float32 on {device}" if device else "contiguous float32 on CUDA"
+            raise ValueError(f"{where}.{name} is {_describe(t)}; need {need}")
+    hist, scale, scale_inv = items
+    if hist.dim() != 2 or hist.shape[0] < 1 or hist.shape[1] < 1:
+        raise ValueError(f"{where}.amax_history has shape {tuple(hist.shape)}; need [L, n], L, n >= 1")
+    raise ValueError(f"{where} has scale {tuple(scale.shape)}, scale_inv {tuple(scale_inv.shape)}; "
+                     f"need ({hist.shape[1]},) each to match amax_history {tuple(hist.shape)}")
+
+
+def fused_delayed_scaling_update(
+    states: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    fp8_max: float,
+    scale_divisor: float,
+    algo: str,
+    update_scale: bool,
+) -> None:
+    """Delayed-scaling update of every state in one kernel launch, in place, on the current stream.
+
+    states: (amax_history [L, n], scale [n], scale_inv [n]) float32 CUDA tensors on one device; L and
+    n may differ between states; no two states may share memory (the kernel updates them in
+    parallel). Same result, bit for bit, as calling te_parallel.fp8.scaling.update_delayed_scaling_torch
+    on each state: scale = (fp8_max / amax) / scale_divisor as two IEEE fp32 divisions.
+    """
+    if algo not in _ALGOS:
+        raise ValueError(f"fused_delayed_scaling_update: algo={algo!r}; need 'max' or 'most_recent'")
+    if not states:
+        return
+    module = load()
+    if module is None:
+        raise RuntimeError("fused_delayed_scaling_update: te_parallel._C is absent; check "
+                           "te_parallel._native.available() and use the PyTorch fallback")
+    first = states[0][0] if isinstance(states[0], (tuple, list)) and states[0] else None
+    if not (isinstance(first, torch.Tensor) and first.is_cuda):
+        _raise_state_error(0, states[0], None)
+    device = first.device
+    c_states = []
+    for i, state in enumerate(states):
+        c_state = _state_tuple(state, device.index)
+        if c_state is None:
+            _raise_state_error(i, state, device)
+        c_states.append(c_state)
+    # The kernel launches on the thread's current device; make it the tensors' device.
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        module.delayed_scaling_update(c_states, float(fp8_max), float(scale_divisor), _ALGOS[algo],
+                                      bool(update_scale), stream)

@@ -1,0 +1,169 @@
+"""`fp8_autocast`: the region in which FP8 modules compute their GEMMs in FP8.
+
+Semantics (TE's):
+* It wraps the forward pass only; the backward pass uses the recipe captured in the forward.
+* Regions nest; the innermost decides `enabled`, `calibrating` and the recipe for the modules
+  it runs. `calibrating=True` records amaxes (so delayed scales become meaningful) while the
+  GEMMs stay in high precision.
+* Delayed scaling updates forward scales once, for every module that ran, when the OUTERMOST
+  region exits (one coalesced amax all-reduce over each fp8 group, then one fused update), and
+  backward scales once when the backward pass ends (an autograd engine callback).
+
+The region stack is the one piece of dynamic state of the library (DESIGN.md §1); it is
+per-thread, like torch.autocast's.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from te_parallel.fp8.scaling import update_delayed_scaling
+from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.recipe import DelayedScaling, Recipe, fp8_max
+
+__all__ = ["fp8_autocast", "is_fp8_available", "FP8Frame", "current_frame"]
+
+
+@dataclass(frozen=True)
+class FP8Frame:
+    """What the innermost region says to a module's forward."""
+
+    enabled: bool
+    calibrating: bool
+    recipe: Recipe
+    group: Optional[dist.ProcessGroup]
+
+
+@dataclass
+class _PendingUpdates:
+    """Delayed-scaling states whose amaxes were recorded and still await their update.
+
+    Keyed by (id(state), backward) so a module called several times in one pass updates once.
+    """
+
+    entries: Dict[Tuple[int, bool], Tuple[FP8ScalingState, DelayedScaling, Optional[dist.ProcessGroup]]] = field(
+        default_factory=dict
+    )
+
+    def add(self, state: FP8ScalingState, recipe: DelayedScaling, group, backward: bool) -> None:
+        self.entries.setdefault((id(state), backward), (state, recipe, group))
+
+    def flush(self) -> None:
+        entries, self.entries = self.entries, {}
+        _reduce_and_update(list(entries.items()))
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.frames: List[FP8Frame] = []
+        self.fwd = _PendingUpdates()
+
+
+_TLS = _ThreadState()
+# Backward runs on autograd engine threads, so its pending list is shared and locked.
+_BWD = _PendingUpdates()
+_BWD_LOCK = threading.Lock()
+_BWD_QUEUED = [False]
+
+
+def current_frame() -> Optional[FP8Frame]:
+    """The innermost active region, or None outside any `fp8_autocast`."""
+    return _TLS.frames[-1] if _TLS.frames else None
+
+
+def record_forward(state: FP8ScalingState, recipe: DelayedScaling, group) -> None:
+    """A module recorded forward amaxes into `state`; update it when the outermost region exits."""
+    _TLS.fwd.add(state, recipe, group, backward=False)
+
+
+def record_backward(state: FP8ScalingState, recipe: DelayedScaling, group) -> None:
+    """Called from a backward: update `state`'s backward scales when this backward pass ends."""
+    with _BWD_LOCK:
+        _BWD.add(state, recipe, group, backward=True)
+        if _BWD_QUEUED[0]:
+            return
+        _BWD_QUEUED[0] = True
+    torch.autograd.Variable._execution_engine.queue_callback(_finish_backward)
+
+
+def _finish_backward() -> None:
+    with _BWD_LOCK:
+        _BWD_QUEUED[0] = False
+        entries, _BWD.entries = _BWD.entries, {}
+    _reduce_and_update(list(entries.items()))
+
+
+def _reduce_and_update(items) -> None:
+    """One amax all-reduce per (group, direction), then one fused scale update per recipe."""
+    if not items:
+        return
+    by_group: Dict[Tuple[int, bool], list] = {}
+    for (_, backward), (state, recipe, group) in items:
+        by_group.setdefault((id(group), backward), []).append((state, recipe, group))
+    for (_, backward), members in by_group.items():
+        group = members[0][2]
+        if group is not None and any(r.reduce_amax for _, r, _ in members) and dist.get_world_size(group) > 1:
+            rows = [s.tensors(backward)[0][0] for s, _, _ in members]
+            flat = torch.cat(rows)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            for row, part in zip(rows, torch.split(flat, [r.numel() for r in rows])):
+                row.copy_(part)
+        _update_members(members, backward)
+
+
+def _update_members(members, backward: bool) -> None:
+    by_recipe: Dict[Tuple[int, bool], list] = {}
+    for state, recipe, _ in members:
+        update_scale = state.next_update_index(backward) % recipe.interval == 0
+        by_recipe.setdefault((id(recipe), update_scale), []).append((state, recipe))
+    for (_, update_scale), group_states in by_recipe.items():
+        recipe = group_states[0][1]
+        dtype = recipe.fp8_format.bwd_dtype if backward else recipe.fp8_format.fwd_dtype
+        tensors = [s.tensors(backward) for s, _ in group_states]
+        update_delayed_scaling(tensors, recipe, fp8_max(dtype), update_scale)
+
+
+def is_fp8_available(return_reason: bool = False):
+    """FP8 runs on CPU (for development) and on CUDA GPUs of compute capability >= 8.9."""
+    ok, reason = True, ""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name()
+            ok, reason = False, f"FP8 needs compute capability >= 8.9 (Ada/Hopper); {name} has {major}.{minor}"
+    return (ok, reason) if return_reason else ok
+
+
+@contextmanager
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe: Optional[Recipe] = None,
+    fp8_group: Optional[dist.ProcessGroup] = None,
+) -> Iterator[None]:
+    """Run the enclosed forward pass with FP8 GEMMs (see the module docstring).
+
+    fp8_group: the ranks over which amaxes are all-reduced (MAX) so that they share scales;
+    None means each module's tensor-parallel group.
+    """
+    if enabled:
+        ok, reason = is_fp8_available(return_reason=True)
+        if not ok:
+            raise RuntimeError(f"fp8_autocast(enabled=True): {reason}; run with enabled=False")
+    if fp8_recipe is None:
+        fp8_recipe = DelayedScaling()
+    if not isinstance(fp8_recipe, Recipe):
+        raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling), got {fp8_recipe!r}")
+    frames = _TLS.frames
+    frames.append(FP8Frame(bool(enabled), bool(calibrating), fp8_recipe, fp8_group))
+    try:
+        yield
+    finally:
+        frames.pop()
+        if not frames:
+            _TLS.fwd.flush()

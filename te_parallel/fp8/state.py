@@ -1,0 +1,123 @@
+"""Per-module FP8 scaling state, kept as buffers so that `state_dict()` carries it as plain tensors.
+
+A module with G GEMMs has 2G forward slots (input and weight of each GEMM, in that order) and G
+backward slots (the output gradient of each GEMM). Buffer names inside the module's state dict:
+
+    <prefix>fp8_state.fwd_amax_history  [L, 2G]   row 0 = the pass in progress, row i = i passes ago
+    <prefix>fp8_state.fwd_scale         [2G]      scale used by the next cast
+    <prefix>fp8_state.fwd_scale_inv     [2G]      1 / scale
+    <prefix>fp8_state.bwd_*             likewise with G columns
+    <prefix>fp8_state.update_count      [2]       forward / backward updates so far (for `interval`)
+
+Loading (documented defaults, docs/checkpoints.md): a checkpoint without these keys (one written by
+a non-FP8 model, e.g. plain torch) keeps a fresh state (scale 1, empty history) and warns once; a
+history of another length is adopted as saved (the next autocast resizes it to the recipe's
+length, keeping the most recent rows); a different number of slots is an error.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+DEFAULT_HISTORY_LEN = 1024
+_KEYS = ("fwd_amax_history", "fwd_scale", "fwd_scale_inv", "bwd_amax_history", "bwd_scale", "bwd_scale_inv")
+
+
+class FP8ScalingState(nn.Module):
+    """Amax histories and scales of the FP8 operands of one module."""
+
+    def __init__(self, num_gemms: int, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        n_fwd, n_bwd = 2 * num_gemms, num_gemms
+        f32 = dict(dtype=torch.float32, device=device)
+        self.register_buffer("fwd_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, n_fwd, **f32))
+        self.register_buffer("fwd_scale", torch.ones(n_fwd, **f32))
+        self.register_buffer("fwd_scale_inv", torch.ones(n_fwd, **f32))
+        self.register_buffer("bwd_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, n_bwd, **f32))
+        self.register_buffer("bwd_scale", torch.ones(n_bwd, **f32))
+        self.register_buffer("bwd_scale_inv", torch.ones(n_bwd, **f32))
+        self.register_buffer("update_count", torch.zeros(2, dtype=torch.int64, device=device))
+        # Host mirror of update_count, so that `interval` needs no device read per step.
+        self._count_host = [0, 0]
+
+    # slots -------------------------------------------------------------------------------
+    @staticmethod
+    def input_slot(gemm: int) -> int:
+        return 2 * gemm
+
+    @staticmethod
+    def weight_slot(gemm: int) -> int:
+        return 2 * gemm + 1
+
+    def tensors(self, backward: bool):
+        """(amax_history, scale, scale_inv) of the forward or backward slots."""
+        if backward:
+            return self.bwd_amax_history, self.bwd_scale, self.bwd_scale_inv
+        return self.fwd_amax_history, self.fwd_scale, self.fwd_scale_inv
+
+    def next_update_index(self, backward: bool) -> int:
+        """Count one more update of this direction; returns the count before it."""
+        i = int(backward)
+        n = self._count_host[i]
+        self._count_host[i] = n + 1
+        self.update_count[i].fill_(n + 1)
+        return n
+
+    def ensure_history_len(self, length: int) -> None:
+        """Resize both histories to `length` rows, keeping the most recent rows."""
+        for name in ("fwd_amax_history", "bwd_amax_history"):
+            hist = getattr(self, name)
+            if hist.shape[0] == length:
+                continue
+            new = torch.zeros(length, hist.shape[1], dtype=hist.dtype, device=hist.device)
+            keep = min(length, hist.shape[0])
+            new[:keep].copy_(hist[:keep])
+            setattr(self, name, new)
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for name in _KEYS:
+                t = getattr(self, name)
+                t.zero_() if "history" in name else t.fill_(1.0)
+            self.update_count.zero_()
+        self._count_host = [0, 0]
+
+    # checkpoints ---------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        keys = [prefix + k for k in (*_KEYS, "update_count")]
+        present = [k for k in keys if k in state_dict]
+        if not present:
+            warnings.warn(
+                f"checkpoint has no FP8 scaling state under '{prefix}'; keeping a fresh one (scale 1, empty amax history)",
+                stacklevel=3,
+            )
+            self.reset()
+            return
+        if len(present) != len(keys):
+            missing = sorted(set(keys) - set(present))
+            error_msgs.append(f"FP8 scaling state under '{prefix}' is incomplete: missing {missing}")
+            return
+        for name in ("fwd", "bwd"):
+            want = getattr(self, f"{name}_scale").shape[0]
+            got = state_dict[f"{prefix}{name}_scale"].shape[0]
+            hist = state_dict[f"{prefix}{name}_amax_history"]
+            if got != want or hist.dim() != 2 or hist.shape[1] != want:
+                error_msgs.append(
+                    f"FP8 scaling state under '{prefix}' has {got} {name} slots (history {tuple(hist.shape)}); "
+                    f"this module needs {want}: the checkpoint is from a different module type"
+                )
+                return
+        # Adopt the saved history length so the copy below cannot fail on shape.
+        self.ensure_history_len(state_dict[prefix + "fwd_amax_history"].shape[0])
+        bwd_len = state_dict[prefix + "bwd_amax_history"].shape[0]
+        if bwd_len != self.bwd_amax_history.shape[0]:
+            self.bwd_amax_history = torch.zeros(bwd_len, self.bwd_amax_history.shape[1],
+                                                dtype=torch.float32, device=self.bwd_amax_history.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._count_host = [int(v) for v in self.update_count.tolist()]

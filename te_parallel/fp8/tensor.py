@@ -1,0 +1,40 @@
+"""Float8Tensor: FP8 bytes plus the scale that decodes them (value = data * scale_inv)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Float8Tensor:
+    """A quantized 2-D operand of an FP8 GEMM.
+
+    `data` is the row-major FP8 matrix [rows, cols]; `data_t` (when asked for) is its transpose
+    stored contiguously [cols, rows]. cuBLASLt FP8 GEMMs only take the "TN" layout (A row-major,
+    B column-major), so dgrad and wgrad read the transposed copies (DESIGN.md §3).
+    `scale_inv` is the fp32 scalar the bytes were encoded with (decoded value = data * scale_inv);
+    it travels with the bytes, so a cached tensor stays valid after the module's scale moves on.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    data_t: Optional[torch.Tensor] = None
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def transposed(self) -> torch.Tensor:
+        """The [cols, rows] contiguous copy, made on first use and kept."""
+        if self.data_t is None:
+            self.data_t = self.data.t().contiguous()
+        return self.data_t
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)

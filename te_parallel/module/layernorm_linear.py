@@ -1,0 +1,95 @@
+"""te.LayerNormLinear: norm (LayerNorm or RMSNorm) followed by a linear layer, one module."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
+from te_parallel.module.linear import LinearParams, linear_forward, reject_tensor_parallel
+from te_parallel.ops.norm import apply_norm, check_normalization
+
+
+def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zero_centered_gamma: bool,
+                    device, dtype) -> None:
+    """`layer_norm_weight` (and `layer_norm_bias` for LayerNorm), TE's names."""
+    check_normalization(normalization)
+    init = torch.zeros if zero_centered_gamma else torch.ones
+    module.layer_norm_weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+    bias = torch.zeros(hidden_size, device=device, dtype=dtype) if normalization == "LayerNorm" else None
+    module.layer_norm_bias = None if bias is None else nn.Parameter(bias)
+
+
+def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    return apply_norm(module.normalization, inp, module.layer_norm_weight, module.layer_norm_bias,
+                      module.eps, module.zero_centered_gamma)
+
+
+def pack_outputs(out, bias, ln_out, return_bias: bool, return_layernorm_output: bool):
+    """TE's output order: out[, bias][, ln_out]."""
+    result = (out,)
+    if return_bias:
+        result += (bias,)
+    if return_layernorm_output:
+        result += (ln_out,)
+    return result[0] if len(result) == 1 else result
+
+
+class LayerNormLinear(FP8Module):
+    """y = norm(x)·Wᵀ + b. Arguments and outputs follow TE's `te.LayerNormLinear`.
+
+    forward(inp, is_first_microbatch=None) -> out[, bias if return_bias][, ln_out if return_layernorm_output].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        parameters_split=None,
+        zero_centered_gamma: bool = False,
+        device=None,
+        ub_overlap_ag: bool = False,
+        ub_name: Optional[str] = None,
+    ) -> None:
+        check_features("LayerNormLinear", in_features=in_features, out_features=out_features)
+        reject_tensor_parallel("LayerNormLinear", tp_group, tp_size, sequence_parallel, parallel_mode,
+                               ub_overlap_ag=ub_overlap_ag)
+        device, dtype = resolve_device(device), resolve_dtype(params_dtype)
+        super().__init__(num_gemms=1, device=device)
+        self.in_features, self.out_features, self.eps = in_features, out_features, eps
+        self.normalization, self.zero_centered_gamma = normalization, zero_centered_gamma
+        self.use_bias, self.return_bias = bias, return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.params_dtype, self.parallel_mode = dtype, parallel_mode
+        add_norm_params(self, in_features, normalization, zero_centered_gamma, device, dtype)
+        self._params = LinearParams(self, in_features, out_features, bias=bias, parameters_split=parameters_split,
+                                    init_method=init_method, device=device, dtype=dtype)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        check_input("LayerNormLinear", inp, self.in_features)
+        dtype = activation_dtype(self.params_dtype, inp.device)
+        ln_out = norm_forward(self, inp.to(dtype))
+        out, bias = linear_forward(self, self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),
+                                   add_bias=not self.return_bias)
+        bias = None if bias is None else bias.to(dtype)
+        return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"normalization={self.normalization}")

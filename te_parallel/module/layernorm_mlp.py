@@ -1,0 +1,81 @@
+"""te.LayerNormMLP: norm → fc1 → activation → fc2, one module with two FP8 GEMMs."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
+from te_parallel.module.layernorm_linear import add_norm_params, norm_forward, pack_outputs
+from te_parallel.module.linear import LinearParams, linear_forward, reject_tensor_parallel
+from te_parallel.ops.activation import apply_activation, check_activation, is_gated
+
+
+class LayerNormMLP(FP8Module):
+    """y = fc2(act(fc1(norm(x)))). Arguments, parameter names and outputs follow TE's `te.LayerNormMLP`.
+
+    Gated activations (geglu, reglu, swiglu, qgeglu, sreglu) give fc1 2·ffn_hidden_size outputs.
+    forward(inp, is_first_microbatch=None) -> out[, fc2 bias if return_bias][, ln_out if return_layernorm_output].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        get_rng_state_tracker=None,
+        tp_group=None,
+        tp_size: int = 1,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        output_layer_init_method: Optional[Callable] = None,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        seq_length: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        set_parallel_mode: bool = False,
+        zero_centered_gamma: bool = False,
+        device=None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+    ) -> None:
+        check_features("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_activation(activation)
+        reject_tensor_parallel("LayerNormMLP", tp_group, tp_size, sequence_parallel, None,
+                               ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
+        device, dtype = resolve_device(device), resolve_dtype(params_dtype)
+        super().__init__(num_gemms=2, device=device)
+        self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
+        self.normalization, self.activation = normalization, activation
+        self.zero_centered_gamma, self.use_bias, self.return_bias = zero_centered_gamma, bias, return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.params_dtype, self.set_parallel_mode = dtype, set_parallel_mode
+        add_norm_params(self, hidden_size, normalization, zero_centered_gamma, device, dtype)
+        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        common = dict(bias=bias, parameters_split=None, device=device, dtype=dtype)
+        self._fc1 = LinearParams(self, hidden_size, fc1_out, init_method=init_method, prefix="fc1_", **common)
+        self._fc2 = LinearParams(self, ffn_hidden_size, hidden_size, prefix="fc2_",
+                                 init_method=output_layer_init_method or init_method, **common)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        check_input("LayerNormMLP", inp, self.hidden_size)
+        dtype = activation_dtype(self.params_dtype, inp.device)
+        frame = self._fp8_frame()
+        ln_out = norm_forward(self, inp.to(dtype))
+        fc1_out, _ = linear_forward(self, self._fc1, 0, ln_out, is_first_microbatch, frame)
+        act_out = apply_activation(self.activation, fc1_out)
+        out, fc2_bias = linear_forward(self, self._fc2, 1, act_out, is_first_microbatch, frame,
+                                       add_bias=not self.return_bias)
+        fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)
+        return pack_outputs(out, fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"activation={self.activation}, normalization={self.normalization}")

@@ -1,0 +1,84 @@
+"""Quantize / dequantize: high precision <-> (FP8 bytes, scale_inv), with amax and a transposed copy.
+
+value ≈ data * scale_inv, data = fp8(clamp(fp32(x) * scale, -fp8_max, fp8_max)) rounded to nearest
+even. The product is one fp32 multiplication, so the fp64 reference (`quantize_reference`) is
+bit-exact: a product of two fp32 numbers is exact in fp64, and rounding it to fp32 gives the fp32
+product. Saturation is explicit because CUDA's conversion turns out-of-range values into NaN (E4M3)
+or inf (E5M2) while the CPU's saturates.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from te_parallel.fp8.scaling import current_scale
+from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.recipe import fp8_max
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as an fp32 scalar tensor (NaN if x holds a NaN)."""
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_out: Optional[torch.Tensor] = None,
+    transpose: bool = False,
+) -> Float8Tensor:
+    """Cast a 2-D tensor to FP8 with `scale` (fp32 scalar tensor).
+
+    amax_out: a 1-element fp32 tensor (e.g. a view into an amax history row) that receives
+    max(amax_out, amax(x)). transpose: also emit the contiguous [cols, rows] copy.
+    """
+    _check_fp8_dtype(fp8_dtype)
+    if x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
+    x = x.detach()
+    if amax_out is not None:
+        torch.maximum(amax_out, amax_of(x).view_as(amax_out), out=amax_out)
+    limit = fp8_max(fp8_dtype)
+    scale = scale.detach().to(torch.float32).reshape(())
+    data = (x.to(torch.float32) * scale).clamp_(-limit, limit).to(fp8_dtype)
+    out = Float8Tensor(data=data, scale_inv=1.0 / scale)
+    if transpose:
+        out.transposed()
+    return out
+
+
+def quantize_current(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, amax: Optional[torch.Tensor] = None, transpose: bool = False
+) -> Float8Tensor:
+    """Current scaling: scale = fp8_max / amax(x) (or a given amax, e.g. one all-reduced across ranks)."""
+    _check_fp8_dtype(fp8_dtype)
+    if amax is None:
+        amax = amax_of(x)
+    return quantize(x, current_scale(amax, fp8_max(fp8_dtype)), fp8_dtype, transpose=transpose)
+
+
+def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return t.dequantize(dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# fp64 references (used by the tests)
+def quantize_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 bytes of x computed through fp64: product exact in fp64, rounded once to fp32, clamped."""
+    limit = fp8_max(fp8_dtype)
+    prod = (x.detach().double() * scale.detach().double().reshape(())).to(torch.float32)
+    return prod.clamp(-limit, limit).to(fp8_dtype)
+
+
+def dequantize_reference(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    return data.double() * scale_inv.double().reshape(())

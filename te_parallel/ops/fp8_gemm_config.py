@@ -1,0 +1,77 @@
+"""GemmFP8: how one GEMM of a module quantizes its operands in this pass.
+
+The module builds one per GEMM call from the innermost `fp8_autocast` region; the autograd
+Function only asks it to cast (`cast_input`, `cast_grad`) and never looks at recipes itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.ops.cast import amax_of, quantize, quantize_current
+from te_parallel.recipe import Recipe
+
+
+@dataclass
+class GemmFP8:
+    recipe: Recipe
+    state: FP8ScalingState
+    gemm: int                           # index of this GEMM among the module's GEMMs
+    weight: Optional[Float8Tensor]      # the quantized weight (None while only calibrating)
+    compute: bool                       # False: calibrating, record amaxes but multiply in high precision
+    group: Optional[dist.ProcessGroup]  # amaxes are all-reduced over it
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe.delayed()
+
+    def _slot(self, backward: bool) -> int:
+        return self.gemm if backward else FP8ScalingState.input_slot(self.gemm)
+
+    def _amax_cell(self, slot: int, backward: bool) -> torch.Tensor:
+        hist = self.state.tensors(backward)[0]
+        return hist[0, slot : slot + 1]
+
+    def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool) -> Float8Tensor:
+        fmt = self.recipe.fp8_format
+        dtype = fmt.bwd_dtype if backward else fmt.fwd_dtype
+        if not self.delayed:
+            return quantize_current(x, dtype, transpose=transpose)
+        scale = self.state.tensors(backward)[1][slot]
+        return quantize(x, scale, dtype, amax_out=self._amax_cell(slot, backward), transpose=transpose)
+
+    def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
+        """The weight W [N, K]; its transpose is made when dgrad first needs it."""
+        return self._cast(w, FP8ScalingState.weight_slot(self.gemm), backward=False, transpose=False)
+
+    def record_weight_amax(self, w: torch.Tensor) -> None:
+        self._record(w, FP8ScalingState.weight_slot(self.gemm), backward=False)
+
+    def cast_input(self, x: torch.Tensor, transpose: bool) -> Float8Tensor:
+        return self._cast(x, self._slot(False), backward=False, transpose=transpose)
+
+    def cast_grad(self, dy: torch.Tensor, transpose: bool) -> Float8Tensor:
+        q = self._cast(dy, self._slot(True), backward=True, transpose=transpose)
+        self.on_backward()
+        return q
+
+    def record_amax(self, x: torch.Tensor, backward: bool) -> None:
+        """Calibration: record the amax the input (or gradient) cast would have recorded."""
+        self._record(x, self._slot(backward), backward)
+        if backward:
+            self.on_backward()
+
+    def _record(self, x: torch.Tensor, slot: int, backward: bool) -> None:
+        if self.delayed:
+            cell = self._amax_cell(slot, backward)
+            torch.maximum(cell, amax_of(x).view(1), out=cell)
+
+    def on_backward(self) -> None:
+        if self.delayed:
+            _autocast.record_backward(self.state, self.recipe, self.group)

@@ -1,0 +1,105 @@
+"""FP8 GEMM through cuBLASLt (`torch._scaled_mm`), in the three layouts of a linear layer.
+
+For y = x·Wᵀ with x [M, K] (tokens × in), W [N, K] (out × in), dy [M, N]:
+
+    fprop  y  = x  · Wᵀ   A = x     [M, K] row-major, B = Wᵀ [K, N] column-major = W.t()
+    dgrad  dx = dy · W    A = dy    [M, N] row-major, B = W  [N, K] column-major = (Wᵀ copy).t()
+    wgrad  dW = dyᵀ · x   A = dyᵀ   [N, M] row-major (dyᵀ copy), B = x [M, K] column-major = (xᵀ copy).t()
+
+cuBLASLt takes FP8 only as "TN" (A row-major, B column-major), hence the transposed copies that
+the casts emit. cuBLASLt also needs every dimension to be a multiple of 16 and cannot multiply two
+E5M2 operands; these rules are checked here on every device, so CPU runs catch what a GPU would
+reject.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from te_parallel.fp8.tensor import Float8Tensor
+
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, what: str) -> None:
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2:
+        raise ValueError(f"FP8 {what} GEMM: inner dims differ, A is {tuple(a.shape)} and B is {tuple(b.shape)}")
+    bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % 16]
+    if bad:
+        raise ValueError(
+            f"FP8 {what} GEMM needs every dimension to be a multiple of 16, got {', '.join(bad)} "
+            f"(A {tuple(a.shape)}, B {tuple(b.shape)}); pad the tokens/features or run this layer outside fp8_autocast"
+        )
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError(
+            f"FP8 {what} GEMM of two E5M2 operands is not supported by cuBLASLt; use Format.HYBRID or Format.E4M3"
+        )
+    if out_dtype not in HIGH_PRECISION:
+        raise ValueError(f"FP8 GEMM output dtype must be float32, bfloat16 or float16, got {out_dtype}")
+
+
+def fp8_mm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    what: str = "",
+) -> torch.Tensor:
+    """(a · a_scale_inv) @ (b · b_scale_inv) + bias, accumulated in fp32.
+
+    a: [M, K] FP8 row-major (contiguous); b: [K, N] FP8 column-major (b.t() contiguous).
+    """
+    _check(a, b, out_dtype, what)
+    if not a.is_contiguous() or not b.t().is_contiguous():
+        raise ValueError(f"FP8 {what} GEMM needs A row-major and B column-major (cuBLASLt 'TN')")
+    if a.device.type == "cpu":
+        return _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    # cuBLASLt fuses a bias only into a bf16/fp16 output; add it afterwards for fp32.
+    fuse_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+    out = torch._scaled_mm(
+        a,
+        b,
+        scale_a=a_scale_inv.reshape(()).to(torch.float32),
+        scale_b=b_scale_inv.reshape(()).to(torch.float32),
+        bias=bias if fuse_bias else None,
+        out_dtype=out_dtype,
+    )
+    if bias is not None and not fuse_bias:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    """The same math on the CPU BLAS: FP8 values widen to fp32 exactly and their products are exact
+    in fp32, so this is an fp32-accumulated FP8 GEMM like cuBLASLt's. torch's CPU `_scaled_mm` is a
+    scalar loop (290 s for 2048×768×3072), too slow even for tests."""
+    acc = a.to(torch.float32) @ b.to(torch.float32)
+    out = acc * (a_scale_inv.to(torch.float32) * b_scale_inv.to(torch.float32))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None):
+    """y [M, N] = x [M, K] · W[N, K]ᵀ."""
+    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop")
+
+
+def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype):
+    """dx [M, K] = dy [M, N] · W [N, K]."""
+    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad")
+
+
+def wgrad(dy: Float8Tensor, x: Float8Tensor, out_dtype: torch.dtype):
+    """dW [N, K] = dy [M, N]ᵀ · x [M, K]."""
+    return fp8_mm(dy.transposed(), dy.scale_inv, x.transposed().t(), x.scale_inv, out_dtype, None, "wgrad")
+
+
+def fp8_mm_reference(a: Float8Tensor, b: Float8Tensor) -> torch.Tensor:
+    """fp64 reference of fprop: dequantize both operands, multiply in fp64 (a [M, K], b [N, K])."""
+    return (a.data.double() * a.scale_inv.double()) @ (b.data.double() * b.scale_inv.double()).t()

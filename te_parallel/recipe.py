@@ -1,0 +1,134 @@
+"""FP8 recipes: which FP8 formats the GEMM operands use and how their scales are chosen.
+
+`te_parallel.recipe` is also importable as `te_parallel.common.recipe` (TE's path).
+
+Recipes are frozen, keyword-only dataclasses (STYLE.md 6). Two families:
+
+* `DelayedScaling`: the scale of each tensor is derived from a history of amaxes (absolute maxima)
+  recorded in earlier passes; the current pass quantizes with the scale computed at the end of the
+  previous one. Cheap (no extra pass over the tensor before the cast) but one step behind.
+* `Float8CurrentScaling`: the scale is computed from the amax of the tensor itself, just before the
+  cast. Exact range, one extra read of the tensor.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Recipe", "FormatPair"]
+
+
+class FormatPair(NamedTuple):
+    """The FP8 dtypes of a format: forward operands (inputs, weights) and backward (gradients)."""
+
+    fwd: torch.dtype
+    bwd: torch.dtype
+
+
+class Format(enum.Enum):
+    """FP8 format of the forward and backward operands.
+
+    E4M3: every FP8 tensor is E4M3 (max 448).  E5M2: every FP8 tensor is E5M2 (max 57344).
+    HYBRID: E4M3 in the forward pass (more mantissa for activations and weights), E5M2 for
+    gradients in the backward pass (more range).
+    """
+
+    E4M3 = FormatPair(torch.float8_e4m3fn, torch.float8_e4m3fn)
+    E5M2 = FormatPair(torch.float8_e5m2, torch.float8_e5m2)
+    HYBRID = FormatPair(torch.float8_e4m3fn, torch.float8_e5m2)
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return self.value.fwd
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return self.value.bwd
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    return float(torch.finfo(dtype).max)
+
+
+AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Base class of the recipes."""
+
+    fp8_format: Format = Format.HYBRID
+
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def current(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_format, Format):
+            raise TypeError(
+                f"fp8_format must be a te_parallel.recipe.Format (E4M3, E5M2, HYBRID), got {self.fp8_format!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedScaling(Recipe):
+    """Scale from the amax history of earlier passes.
+
+    After every pass (forward: at the exit of the outermost `fp8_autocast`; backward: when the
+    backward pass ends) each tensor's scale becomes
+
+        scale = (fp8_max / amax) / 2 ** margin
+
+    with `amax` = max over the last `amax_history_len` passes ("max"), the last pass only
+    ("most_recent"), or `amax_compute_algo(history)` for a callable taking the history
+    `[amax_history_len, num_tensors]` (row 0 = the pass just finished, row i = i passes before)
+    and returning `[num_tensors]`. A zero or non-finite amax (or resulting scale) never changes a
+    scale. The scale is recomputed every `interval` passes; the history is recorded every pass.
+    `scaling_factor_compute_algo(amax, scale, fp8_max, recipe) -> new scale` replaces the formula.
+    `reduce_amax`: all-reduce (MAX) the amaxes over the fp8 group before the update so every
+    rank computes the same scale.
+    """
+
+    margin: int = 0
+    interval: int = 1
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxAlgo = "max"
+    scaling_factor_compute_algo: Optional[ScaleAlgo] = None
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.margin, (int, float)) and math.isfinite(self.margin) and self.margin >= 0):
+            raise ValueError(f"DelayedScaling margin must be a finite number >= 0, got {self.margin!r}")
+        if not (isinstance(self.interval, int) and self.interval >= 1):
+            raise ValueError(f"DelayedScaling interval must be an int >= 1, got {self.interval!r}")
+        if not (isinstance(self.amax_history_len, int) and self.amax_history_len >= 1):
+            raise ValueError(
+                f"DelayedScaling amax_history_len must be an int >= 1, got {self.amax_history_len!r}"
+            )
+        algo = self.amax_compute_algo
+        if not (callable(algo) or algo in ("max", "most_recent")):
+            raise ValueError(
+                f"DelayedScaling amax_compute_algo must be 'max', 'most_recent' or a callable, got {algo!r}"
+            )
+        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
+            raise ValueError(
+                "DelayedScaling scaling_factor_compute_algo must be None or a callable, "
+                f"got {self.scaling_factor_compute_algo!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8CurrentScaling(Recipe):
+    """Scale from the tensor itself: scale = fp8_max / amax(tensor), computed just before the cast."""
+
+    fp8_format: Format = Format.HYBRID

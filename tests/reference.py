@@ -1,0 +1,55 @@
+"""fp64 references shared by the tests, written independently of the library's code paths."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(dtype: torch.dtype):
+    """All finite values of an FP8 dtype and their codes, sorted by value (+0 kept, -0 dropped)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    vals = codes.view(dtype).to(torch.float64)
+    keep = torch.isfinite(vals) & ~((vals == 0) & (codes >= 128))
+    vals, codes = vals[keep], codes[keep]
+    order = torch.argsort(vals)
+    return vals[order], codes[order]
+
+
+def round_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp64 values to the nearest finite FP8 value (ties to the even code), saturating."""
+    vals, codes = _grid(dtype)
+    x = x.double().clamp(vals[0].item(), vals[-1].item())
+    hi = torch.searchsorted(vals, x).clamp(1, len(vals) - 1)
+    lo = hi - 1
+    d_lo, d_hi = x - vals[lo], vals[hi] - x
+    even_hi = (codes[hi].to(torch.int64) % 2) == 0
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & even_hi)
+    out = torch.where(pick_hi, vals[hi], vals[lo])
+    return torch.where(out == 0, x.sign() * 0.0, out)  # keep the sign of zero as the cast does
+
+
+def quantize_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized-domain reference of the library's cast: fp8 value of fp32(x*scale), in fp64."""
+    prod = (x.double() * scale.double()).to(torch.float32).double()
+    return round_to_fp8(prod, dtype)
+
+
+def qdq(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize → dequantize in fp64: the value an FP8 GEMM sees."""
+    return quantize_ref(x, scale, dtype) / scale.double()
+
+
+def current_scale_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    amax = x.detach().abs().max().to(torch.float32)
+    if not (0 < amax.item() < float("inf")):
+        return torch.tensor(1.0)
+    return torch.tensor(torch.finfo(dtype).max, dtype=torch.float32) / amax  # one fp32 division
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()

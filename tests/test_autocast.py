@@ -1,0 +1,130 @@
+"""fp8_autocast semantics: nesting, calibration, when scales update, the weight cache."""
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import recipe as R
+from te_parallel.fp8 import autocast as ac
+from te_parallel.ops import cast as cast_mod
+
+
+def _lin(device, **kw):
+    return te.Linear(32, 16, device=device, **kw)
+
+
+def test_nesting_innermost_decides(device):
+    m = _lin(device)
+    x = torch.randn(16, 32, device=device)
+    plain = m(x)
+    outer, inner = R.DelayedScaling(), R.Float8CurrentScaling()
+    with te.fp8_autocast(enabled=True, fp8_recipe=outer):
+        assert ac.current_frame().recipe is outer
+        with te.fp8_autocast(enabled=False):
+            assert torch.equal(m(x), plain)  # FP8 off inside
+        with te.fp8_autocast(enabled=True, fp8_recipe=inner):
+            assert ac.current_frame().recipe is inner
+            y = m(x)
+        assert ac.current_frame().recipe is outer
+    assert ac.current_frame() is None
+    assert not torch.equal(y, plain)
+
+
+def test_forward_scales_update_only_at_outermost_exit(device):
+    m = _lin(device)
+    x = torch.randn(16, 32, device=device) * 10
+    with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+        with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+            m(x)
+        assert torch.all(m.fp8_state.fwd_scale == 1)  # inner exit: no update yet
+        assert m.fp8_state.fwd_amax_history[0, 0].item() == x.abs().max().item()
+        m(x * 2)  # a second call in the same region accumulates the max
+    assert m.fp8_state.fwd_scale[0].item() == pytest.approx(448.0 / (x.abs().max().item() * 2))
+    assert m.fp8_state.fwd_amax_history[0].abs().sum() == 0  # rolled
+    assert m.fp8_state.update_count.tolist() == [1, 0]
+
+
+def test_backward_scales_update_when_backward_ends(device):
+    a, b = _lin(device), te.Linear(16, 16, device=device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+        y = b(a(x))
+    dy = torch.randn_like(y) * 1000
+    y.backward(dy)
+    assert a.fp8_state.update_count.tolist() == [1, 1] and b.fp8_state.update_count.tolist() == [1, 1]
+    assert b.fp8_state.bwd_scale.item() == pytest.approx(57344.0 / dy.abs().max().item(), rel=1e-6)
+    assert b.fp8_state.bwd_amax_history[0].item() == 0 and b.fp8_state.bwd_amax_history[1].item() == dy.abs().max().item()
+
+
+def test_calibrating_records_amax_without_fp8(device):
+    m = _lin(device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    plain = m(x)
+    with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=R.DelayedScaling()):
+        y = m(x)
+    assert torch.equal(y, plain)  # high precision
+    assert m.fp8_state.fwd_scale[0].item() == pytest.approx(448.0 / x.abs().max().item())
+    assert m.fp8_state.fwd_scale[1].item() == pytest.approx(448.0 / m.weight.abs().max().item())
+    y.sum().backward()
+    assert m.fp8_state.update_count.tolist() == [1, 1]
+
+
+def test_weight_cast_once_per_step(device, monkeypatch):
+    m = te.LayerNormMLP(32, 64, device=device)
+    calls = []
+    real = cast_mod.quantize
+
+    def counting(x, *a, **k):
+        calls.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(cast_mod, "quantize", counting)
+    monkeypatch.setattr("te_parallel.ops.fp8_gemm_config.quantize", counting)
+    x = torch.randn(16, 32, device=device)
+    rec = R.DelayedScaling()
+    weight_shapes = {tuple(m.fc1_weight.shape), tuple(m.fc2_weight.shape)}
+    for step in range(2):
+        for micro in range(3):
+            with te.fp8_autocast(fp8_recipe=rec):
+                m(x).sum().backward()
+        with torch.no_grad():  # optimizer step: parameters change in place
+            for p in m.parameters():
+                p.sub_(1e-3 * p.grad)
+        m.zero_grad()
+    assert sum(s in weight_shapes for s in calls) == 4  # 2 weights x 2 steps, not x 3 micro-batches
+    calls.clear()
+    with te.fp8_autocast(fp8_recipe=rec):
+        m(x, is_first_microbatch=True)  # TE's override: recast
+        m(x, is_first_microbatch=False)  # reuse
+    assert sum(s in weight_shapes for s in calls) == 2
+
+
+def test_is_fp8_available():
+    ok, reason = te.is_fp8_available(return_reason=True)
+    assert isinstance(ok, bool) and isinstance(reason, str)
+    if not torch.cuda.is_available():
+        assert ok and reason == ""
+
+
+def test_old_gpu_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    assert te.is_fp8_available(return_reason=True) == (False, "FP8 needs compute capability >= 8.9 (Ada/Hopper); NVIDIA A100 has 8.0")
+    with pytest.raises(RuntimeError, match="A100 has 8.0"):
+        with te.fp8_autocast(enabled=True):
+            pass
+    with te.fp8_autocast(enabled=False):  # disabled FP8 is fine on any GPU
+        pass
+
+
+def test_bad_recipe_type():
+    with pytest.raises(TypeError, match="fp8_recipe"):
+        with te.fp8_autocast(fp8_recipe="hybrid"):
+            pass
+
+
+def test_e5m2_forward_is_rejected(device):
+    m = _lin(device)
+    with pytest.raises(ValueError, match="two E5M2"):
+        with te.fp8_autocast(fp8_recipe=R.DelayedScaling(fp8_format=R.Format.E5M2)):
+            m(torch.randn(16, 32, device=device))

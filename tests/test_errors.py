@@ -1,0 +1,71 @@
+"""Bad input: a one-line error naming what was given and what is needed."""
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import recipe as R
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    return msg
+
+
+def test_wrong_in_features(device):
+    with pytest.raises(ValueError) as e:
+        te.Linear(32, 16, device=device)(torch.randn(4, 31, device=device))
+    assert "last dim must be 32, got shape (4, 31)" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        te.LayerNormMLP(32, 64, device=device)(torch.randn(4, 30, device=device))
+    assert "LayerNormMLP" in _one_line(e)
+
+
+def test_dims_not_multiple_of_16_under_fp8(device):
+    m = te.Linear(32, 24, device=device)
+    with pytest.raises(ValueError) as e:
+        with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+            m(torch.randn(16, 32, device=device))
+    assert "multiple of 16, got N=24" in _one_line(e)
+    m = te.Linear(32, 16, device=device)
+    with pytest.raises(ValueError) as e:
+        with te.fp8_autocast(fp8_recipe=R.Float8CurrentScaling()):
+            m(torch.randn(3, 5, 32, device=device))  # 15 tokens
+    assert "got M=15" in _one_line(e)
+    assert m(torch.randn(3, 5, 32, device=device)).shape == (3, 5, 16)  # fine outside FP8
+
+
+def test_unsupported_activation_and_normalization(device):
+    with pytest.raises(ValueError) as e:
+        te.LayerNormMLP(16, 32, activation="tanh", device=device)
+    assert "activation must be one of" in _one_line(e) and "'tanh'" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        te.LayerNormLinear(16, 32, normalization="BatchNorm", device=device)
+    assert "'BatchNorm'" in _one_line(e)
+
+
+def test_wrong_dtype(device):
+    with pytest.raises(TypeError) as e:
+        te.Linear(16, 16, device=device)(torch.ones(4, 16, dtype=torch.int64, device=device))
+    assert "got torch.int64" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        te.Linear(16, 16, params_dtype=torch.int8, device=device)
+    assert "params_dtype" in _one_line(e)
+    m = te.Linear(16, 16, params_dtype=torch.float64, device=device)
+    with pytest.raises(TypeError) as e:
+        with te.fp8_autocast():
+            m(torch.randn(16, 16, dtype=torch.float64, device=device))
+    assert "got float64" in _one_line(e)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(in_features=0, out_features=4), "in_features must be a positive int, got 0"),
+    (dict(in_features=16, out_features=48, parameters_split=("a", "b", "c", "d", "e")), "not divisible into 5"),
+    (dict(in_features=16, out_features=48, parameters_split={"a": 16, "b": 16}), "add up to 32"),
+    (dict(in_features=16, out_features=16, parallel_mode="diagonal"), "parallel_mode"),
+    (dict(in_features=16, out_features=16, tp_size=2), "tp_size=2"),
+])
+def test_bad_constructor_args(kwargs, match, device):
+    with pytest.raises((ValueError, NotImplementedError)) as e:
+        te.Linear(device=device, **kwargs)
+    assert match in _one_line(e)
