@@ -7,6 +7,8 @@ Stated tolerances (relative Frobenius error ‖out − ref‖ / ‖ref‖):
   (the reference quantizes the fp64 one, so a few elements round to a neighbouring FP8 value).
 """
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 import te_parallel as te
@@ -225,3 +227,24 @@ def test_low_precision_params(dtype, device):
         y.float().sum().backward()
         assert y.dtype == dtype and x.grad.dtype == dtype and m.fc1_weight.grad.dtype == dtype
         assert torch.isfinite(y).all() and torch.isfinite(m.fc1_weight.grad).all()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(1, 4), k=st.integers(1, 4), n=st.integers(1, 4), log_mag=st.floats(-6, 6),
+       current=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_linear_fp8_fuzz(tokens, k, n, log_mag, current, seed, device):
+    """te.Linear in FP8 over shapes and magnitudes vs the quantize→dequantize→fp64 reference."""
+    torch.manual_seed(seed)
+    rec = R.Float8CurrentScaling() if current else R.DelayedScaling(amax_history_len=2)
+    m = te.Linear(16 * k, 16 * n, device=device)
+    x = torch.randn(16 * tokens, 16 * k, device=device) * 2.0**log_mag
+    dy = torch.randn(16 * tokens, 16 * n, device=device) * 2.0**-log_mag
+    _warmup(m, x, rec, dy)
+    scales = scales_of(m, 0, rec.fp8_format, rec.delayed())
+    xi, out = _step(m, x, rec, dy)
+    p = dparams(m, LINEAR_PARAMS)
+    xr = x.double().cpu().requires_grad_(True)
+    ref = ref_linear(xr, p["weight"], p["bias"], scales)
+    ref.backward(dy.double().cpu())
+    assert rel_err(out.cpu(), ref) < 1e-5 and rel_err(xi.grad.cpu(), xr.grad) < 1e-5
+    grads_close(m, p, LINEAR_PARAMS, 1e-5, rel_err)

@@ -1,0 +1,55 @@
+"""Timing helpers for the GPU benchmarks: CUDA events, warm-up, median of many runs."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+from typing import Callable, Dict, List
+
+import torch
+
+
+def time_cuda(fn: Callable[[], None], warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of fn() over `iters` runs, each timed with its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def environment() -> Dict[str, str]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "commit": commit or os.environ.get("GIT_COMMIT", "unknown"),
+    }
+
+
+def report(title: str, rows: List[Dict], columns: List[str], json_path: str | None) -> None:
+    """Print a fixed-width table and, if asked, write {"env", "rows"} as JSON."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print(f"\n{title}")
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"title": title, "env": environment(), "rows": rows}, f, indent=2)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
