@@ -53,3 +53,13 @@ def current_scale_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def fp8_gemm_tol(device) -> float:
+    """Relative error allowed for an FP8 GEMM against the fp64 product of its dequantized operands.
+
+    CPU: the BLAS accumulates the exact FP8 products in fp32 (error ~1e-7). Hopper's FP8 tensor
+    cores accumulate inside each MMA with fewer mantissa bits than fp32 before cuBLASLt promotes the
+    partial sums to fp32; measured on an H200: 9e-5 at K=80. Allow 5e-4.
+    """
+    return 5e-4 if torch.device(device).type == "cuda" else 1e-5

@@ -63,9 +63,7 @@ class LinearFunction(torch.autograd.Function):
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
             w = weight.to(act_dtype)
-            y2d = x2d @ w.t()
-            if bias is not None:
-                y2d = y2d + bias.to(act_dtype)
+            y2d = torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(act_dtype))
             ctx.save_for_backward(x2d if need_wgrad else None, w)
         return y2d.reshape(*inp.shape[:-1], out_features)
 
