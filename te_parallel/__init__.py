@@ -3,11 +3,13 @@
     import te_parallel as te
     from te_parallel.common import recipe
 """
-from te_parallel import recipe
+from te_parallel import _native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
 from te_parallel.module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 
 __version__ = "0.1.0"
+
+_native.load()  # import the compiled kernels now; warns once here if they were not built
 
 __all__ = [
     "Linear",

@@ -63,3 +63,15 @@ def fp8_gemm_tol(device) -> float:
     partial sums to fp32; measured on an H200: 9e-5 at K=80. Allow 5e-4.
     """
     return 5e-4 if torch.device(device).type == "cuda" else 1e-5
+
+
+def fp8_chain_tol(device) -> float:
+    """Tolerance of modules whose FP8 operands are intermediates (norm output, activation output).
+
+    The reference quantizes its own fp64 intermediates; where the module's fp32 (CPU) or
+    FP8-accumulated (CUDA) intermediate sits on the other side of an FP8 rounding boundary, one
+    element moves by a whole FP8 step (6-12%). On CUDA the intermediates differ ~1e-4, so more
+    elements flip: measured up to 5.8e-3 on an H200 vs 2e-3 on CPU. A wrong format or scale gives
+    > 3e-2, a wrong layout O(1).
+    """
+    return 1.2e-2 if torch.device(device).type == "cuda" else 5e-3

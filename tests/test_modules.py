@@ -3,8 +3,9 @@
 Stated tolerances (relative Frobenius error ‖out − ref‖ / ‖ref‖):
 * fp32, no FP8, vs the fp64 math: 1e-5.
 * FP8 vs quantize→dequantize→fp64 with the same scales: for Linear 1e-5 on CPU (same operands, only
-  fp32 accumulation differs), 5e-4 on CUDA (Hopper's FP8 MMA accumulation, see reference.fp8_gemm_tol); 5e-3 for the norm-fused modules, whose FP8 operand is the fp32 norm output
-  (the reference quantizes the fp64 one, so a few elements round to a neighbouring FP8 value).
+  fp32 accumulation differs), 5e-4 on CUDA (Hopper's FP8 MMA accumulation, see reference.fp8_gemm_tol); for the norm-fused modules 5e-3 on CPU and
+  1.2e-2 on CUDA: their FP8 operands are intermediates, which the reference computes in fp64, so a
+  few elements round to a neighbouring FP8 value (reference.fp8_chain_tol).
 """
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,7 @@ import torch
 import te_parallel as te
 from te_parallel import recipe as R
 from tests.module_reference import dparams, grads_close, ref_linear, ref_mlp, ref_norm, scales_of
-from tests.reference import fp8_gemm_tol, rel_err
+from tests.reference import fp8_chain_tol, fp8_gemm_tol, rel_err
 
 RECIPES = {
     "delayed-hybrid": R.DelayedScaling(amax_history_len=4),
@@ -92,7 +93,7 @@ def test_layernorm_linear(recipe_name, normalization, zero_centered, device):
     ln_ref = ref_norm(normalization, xr, p["layer_norm_weight"], p["layer_norm_bias"], m.eps, zero_centered)
     ref = ref_linear(ln_ref, p["weight"], p["bias"], scales)
     ref.backward(dy.double().cpu())
-    tol = 1e-5 if recipe is None else 5e-3
+    tol = 1e-5 if recipe is None else fp8_chain_tol(device)
     assert rel_err(ln_out.cpu(), ln_ref) < 1e-5
     assert rel_err(out.cpu(), ref) < tol
     assert rel_err(xi.grad.cpu(), xr.grad) < tol
@@ -114,7 +115,7 @@ def _mlp_case(activation, recipe, normalization, device, bias=True):
     xr = x.double().cpu().requires_grad_(True)
     ref, _ = ref_mlp(p, xr, m, scales)
     ref.backward(dy.double().cpu())
-    tol = 1e-5 if recipe is None else 5e-3
+    tol = 1e-5 if recipe is None else fp8_chain_tol(device)
     assert rel_err(out.cpu(), ref) < tol
     assert rel_err(xi.grad.cpu(), xr.grad) < tol
     grads_close(m, p, MLP_PARAMS, tol, rel_err)
