@@ -63,9 +63,19 @@ def test_wrong_dtype(device):
     (dict(in_features=16, out_features=48, parameters_split=("a", "b", "c", "d", "e")), "not divisible into 5"),
     (dict(in_features=16, out_features=48, parameters_split={"a": 16, "b": 16}), "add up to 32"),
     (dict(in_features=16, out_features=16, parallel_mode="diagonal"), "parallel_mode"),
-    (dict(in_features=16, out_features=16, tp_size=2), "tp_size=2"),
+    (dict(in_features=16, out_features=16, tp_size=3, parallel_mode="column"), "out_features=16 is not divisible by tp_size=3"),
+    (dict(in_features=16, out_features=16, tp_size=3, parallel_mode="row"), "in_features=16 is not divisible by tp_size=3"),
+    (dict(in_features=16, out_features=16, tp_size=0), "tp_size must be a positive int, got 0"),
+    (dict(in_features=16, out_features=16, ub_overlap_ag=True), "ub_overlap_ag"),
 ])
 def test_bad_constructor_args(kwargs, match, device):
     with pytest.raises((ValueError, NotImplementedError)) as e:
         te.Linear(device=device, **kwargs)
     assert match in _one_line(e)
+
+
+def test_tp_without_group_errors_at_forward(device):
+    m = te.Linear(16, 16, tp_size=2, parallel_mode="column", device=device)
+    with pytest.raises(RuntimeError) as e:
+        m(torch.randn(4, 16, device=device))
+    assert "tp_size=2 but has no tp_group; call set_tensor_parallel_group" in _one_line(e)

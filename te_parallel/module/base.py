@@ -90,6 +90,7 @@ class FP8Module(nn.Module):
         params: Sequence[torch.Tensor],
         weight: torch.Tensor,
         is_first_microbatch: Optional[bool],
+        weight_amax_group=None,
     ) -> Optional[GemmFP8]:
         """The FP8 plan of GEMM number `gemm` this call (None outside FP8 / calibration)."""
         if frame is None:
@@ -102,12 +103,12 @@ class FP8Module(nn.Module):
             _autocast.record_forward(self.fp8_state, recipe, group)
         cfg = GemmFP8(recipe, self.fp8_state, gemm, None, frame.enabled, group)
         if frame.enabled:
-            cfg.weight = self._cached_weight(cfg, params, weight, is_first_microbatch)
+            cfg.weight = self._cached_weight(cfg, params, weight, is_first_microbatch, weight_amax_group)
         else:
             cfg.record_weight_amax(weight)
         return cfg
 
-    def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch) -> Float8Tensor:
+    def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
         fmt = cfg.recipe.fp8_format
         key = (tuple((p._version, p.data_ptr()) for p in params), fmt.fwd_dtype, cfg.recipe.delayed())
         hit = self._weight_cache.get(cfg.gemm)
@@ -115,7 +116,7 @@ class FP8Module(nn.Module):
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]
         with torch.no_grad():
-            w_q = cfg.quantize_weight(weight.detach())
+            w_q = cfg.quantize_weight(weight.detach(), amax_group)
         self._weight_cache[cfg.gemm] = (key, w_q)
         return w_q
 

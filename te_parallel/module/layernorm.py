@@ -7,23 +7,35 @@ import torch
 from torch import nn
 
 from te_parallel.module.base import check_features, check_input, resolve_device, resolve_dtype
+from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.norm import layer_norm, rms_norm
+from te_parallel.parallel.collectives import all_reduce_grad
 
 
-class _Norm(nn.Module):
+class _Norm(nn.Module, TensorParallelMixin):
+    """Under sequence_parallel each rank normalizes its own tokens, so γ/β gradients are partial.
+    With a tp_group (te_parallel's addition to TE's arguments, or set_tensor_parallel_group) they are
+    all-reduced here; without one the parameters carry Megatron's `sequence_parallel` marker and
+    the caller reduces them, as with TE."""
+
     def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype, zero_centered_gamma: bool,
-                 device, with_bias: bool) -> None:
+                 device, with_bias: bool, tp_group) -> None:
         super().__init__()
         name = type(self).__name__
         check_features(name, hidden_size=hidden_size)
-        if sequence_parallel:
-            raise NotImplementedError(f"{name}: sequence_parallel=True is not implemented in this version")
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
+        self._init_tp(name, tp_group, 1, sequence_parallel)
         self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, eps, zero_centered_gamma
-        self.sequence_parallel = sequence_parallel
         init = torch.zeros if zero_centered_gamma else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if with_bias else None
+        for p in self.parameters():
+            p.sequence_parallel = self.sequence_parallel
+
+    def _params(self):
+        if self.sequence_parallel and self.tp_group is not None:
+            return all_reduce_grad(self.weight, self.tp_group), all_reduce_grad(self.bias, self.tp_group)
+        return self.weight, self.bias
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -39,21 +51,25 @@ class LayerNorm(_Norm):
     """y = (x − mean) / sqrt(var + eps) · γ + β over the last dim (γ = 1 + weight if zero_centered_gamma)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None) -> None:
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True)
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None,
+                 tp_group=None) -> None:
+        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True, tp_group)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         check_input("LayerNorm", inp, self.hidden_size)
-        return layer_norm(inp, self.weight, self.bias, self.eps, self.zero_centered_gamma)
+        weight, bias = self._params()
+        return layer_norm(inp, weight, bias, self.eps, self.zero_centered_gamma)
 
 
 class RMSNorm(_Norm):
     """y = x / sqrt(mean(x²) + eps) · γ over the last dim (γ = 1 + weight if zero_centered_gamma)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None) -> None:
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False)
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None,
+                 tp_group=None) -> None:
+        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False, tp_group)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         check_input("RMSNorm", inp, self.hidden_size)
-        return rms_norm(inp, self.weight, self.eps, self.zero_centered_gamma)
+        weight, _ = self._params()
+        return rms_norm(inp, weight, self.eps, self.zero_centered_gamma)

@@ -7,8 +7,11 @@ import torch
 from torch import nn
 
 from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
-from te_parallel.module.linear import LinearParams, linear_forward, reject_tensor_parallel
+from te_parallel.module.linear import (LinearParams, Linear, check_parallel_mode, linear_forward, local_features,
+                                       mark_sequence_parallel, reject_overlap)
+from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.norm import apply_norm, check_normalization
+from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 
 
 def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zero_centered_gamma: bool,
@@ -22,8 +25,12 @@ def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zer
 
 
 def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
-    return apply_norm(module.normalization, inp, module.layer_norm_weight, module.layer_norm_bias,
-                      module.eps, module.zero_centered_gamma)
+    """The norm on this rank's tokens. Under sequence parallelism those are 1/tp of the sequence, so
+    γ/β gradients are partial: all-reduced over the TP group here (TE leaves that to the caller)."""
+    weight, bias = module.layer_norm_weight, module.layer_norm_bias
+    if module.sequence_parallel and module.tp_size > 1 and module.allreduce_sp_grads:
+        weight, bias = all_reduce_grad(weight, module.tp_group), all_reduce_grad(bias, module.tp_group)
+    return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
 
 
 def pack_outputs(out, bias, ln_out, return_bias: bool, return_layernorm_output: bool):
@@ -36,8 +43,12 @@ def pack_outputs(out, bias, ln_out, return_bias: bool, return_layernorm_output: 
     return result[0] if len(result) == 1 else result
 
 
-class LayerNormLinear(FP8Module):
+class LayerNormLinear(FP8Module, TensorParallelMixin):
     """y = norm(x)·Wᵀ + b. Arguments and outputs follow TE's `te.LayerNormLinear`.
+
+    Tensor parallelism as in `Linear`; with column + sequence_parallel the norm runs on this rank's
+    sequence shard and its FP8 output is gathered. `allreduce_sp_grads` (te_parallel's addition,
+    default True): all-reduce the norm's γ/β gradients over the TP group under sequence parallelism.
 
     forward(inp, is_first_microbatch=None) -> out[, bias if return_bias][, ln_out if return_layernorm_output].
     """
@@ -65,29 +76,44 @@ class LayerNormLinear(FP8Module):
         device=None,
         ub_overlap_ag: bool = False,
         ub_name: Optional[str] = None,
+        allreduce_sp_grads: bool = True,
     ) -> None:
         check_features("LayerNormLinear", in_features=in_features, out_features=out_features)
-        reject_tensor_parallel("LayerNormLinear", tp_group, tp_size, sequence_parallel, parallel_mode,
-                               ub_overlap_ag=ub_overlap_ag)
+        check_parallel_mode("LayerNormLinear", parallel_mode)
+        reject_overlap("LayerNormLinear", ub_overlap_ag=ub_overlap_ag)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=1, device=device)
+        self._init_tp("LayerNormLinear", tp_group, tp_size, sequence_parallel)
+        self.get_rng_state_tracker, self.allreduce_sp_grads = get_rng_state_tracker, allreduce_sp_grads
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        full_in = in_features
+        in_features, out_features = local_features("LayerNormLinear", in_features, out_features, parallel_mode, self.tp_size)
         self.in_features, self.out_features, self.eps = in_features, out_features, eps
         self.normalization, self.zero_centered_gamma = normalization, zero_centered_gamma
         self.use_bias, self.return_bias = bias, return_bias
         self.return_layernorm_output = return_layernorm_output
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.parallel_mode = dtype, parallel_mode
+        if parallel_mode == "row" and in_features != full_in:
+            raise ValueError("LayerNormLinear: parallel_mode='row' would split the normalized features; use 'column'")
         add_norm_params(self, in_features, normalization, zero_centered_gamma, device, dtype)
+        mark_sequence_parallel(self, ["layer_norm_weight", "layer_norm_bias"])
+        divisor = self.tp_size if parallel_mode == "column" else 1
         self._params = LinearParams(self, in_features, out_features, bias=bias, parameters_split=parameters_split,
-                                    init_method=init_method, device=device, dtype=dtype)
+                                    init_method=init_method, device=device, dtype=dtype, split_divisor=divisor)
+
+    _linear_parallel = Linear._linear_parallel
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormLinear", inp, self.in_features)
         dtype = activation_dtype(self.params_dtype, inp.device)
+        par = self._linear_parallel(self.parallel_mode, inp)
         ln_out = norm_forward(self, inp.to(dtype))
         out, bias = linear_forward(self, self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),
-                                   add_bias=not self.return_bias)
+                                   add_bias=not self.return_bias, par=par)
         bias = None if bias is None else bias.to(dtype)
+        if self.return_layernorm_output and self.return_layernorm_output_gathered and par.gathers_input:
+            ln_out = gather_from_sp(ln_out, self.tp_group)
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
     def extra_repr(self) -> str:

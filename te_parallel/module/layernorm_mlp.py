@@ -7,14 +7,21 @@ import torch
 
 from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
 from te_parallel.module.layernorm_linear import add_norm_params, norm_forward, pack_outputs
-from te_parallel.module.linear import LinearParams, linear_forward, reject_tensor_parallel
+from te_parallel.module.linear import Linear, LinearParams, linear_forward, mark_sequence_parallel, reject_overlap
+from te_parallel.module.parallel_mixin import TensorParallelMixin
+from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
+from te_parallel.parallel.groups import check_divisible
 from te_parallel.ops.activation import apply_activation, check_activation, is_gated
 
 
-class LayerNormMLP(FP8Module):
+class LayerNormMLP(FP8Module, TensorParallelMixin):
     """y = fc2(act(fc1(norm(x)))). Arguments, parameter names and outputs follow TE's `te.LayerNormMLP`.
 
     Gated activations (geglu, reglu, swiglu, qgeglu, sreglu) give fc1 2·ffn_hidden_size outputs.
+    With set_parallel_mode=True and a TP group: fc1 column-parallel, fc2 row-parallel (Megatron's
+    MLP: one collective each way); a gated fc1 shard holds [a_r; b_r], this rank's rows of each
+    half, so the activation stays local. Under sequence_parallel the norm sees 1/tp of the tokens
+    and its γ/β gradients are all-reduced here (`allreduce_sp_grads`, default True).
     forward(inp, is_first_microbatch=None) -> out[, fc2 bias if return_bias][, ln_out if return_layernorm_output].
     """
 
@@ -44,13 +51,18 @@ class LayerNormMLP(FP8Module):
         device=None,
         ub_overlap_ag: bool = False,
         ub_overlap_rs: bool = False,
+        allreduce_sp_grads: bool = True,
     ) -> None:
         check_features("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_activation(activation)
-        reject_tensor_parallel("LayerNormMLP", tp_group, tp_size, sequence_parallel, None,
-                               ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
+        reject_overlap("LayerNormMLP", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=2, device=device)
+        self._init_tp("LayerNormMLP", tp_group, tp_size, sequence_parallel)
+        self.get_rng_state_tracker, self.allreduce_sp_grads = get_rng_state_tracker, allreduce_sp_grads
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        split = self.tp_size if set_parallel_mode else 1
+        ffn_local = check_divisible("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size, split)
         self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma, self.use_bias, self.return_bias = zero_centered_gamma, bias, return_bias
@@ -58,22 +70,31 @@ class LayerNormMLP(FP8Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.set_parallel_mode = dtype, set_parallel_mode
         add_norm_params(self, hidden_size, normalization, zero_centered_gamma, device, dtype)
-        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
         common = dict(bias=bias, parameters_split=None, device=device, dtype=dtype)
         self._fc1 = LinearParams(self, hidden_size, fc1_out, init_method=init_method, prefix="fc1_", **common)
-        self._fc2 = LinearParams(self, ffn_hidden_size, hidden_size, prefix="fc2_",
+        self._fc2 = LinearParams(self, ffn_local, hidden_size, prefix="fc2_",
                                  init_method=output_layer_init_method or init_method, **common)
+        mark_sequence_parallel(self, ["layer_norm_weight", "layer_norm_bias", "fc2_bias"])
+
+    _linear_parallel = Linear._linear_parallel
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormMLP", inp, self.hidden_size)
         dtype = activation_dtype(self.params_dtype, inp.device)
         frame = self._fp8_frame()
+        fc1_par = self._linear_parallel("column" if self.set_parallel_mode else None, inp)
+        fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp)
         ln_out = norm_forward(self, inp.to(dtype))
-        fc1_out, _ = linear_forward(self, self._fc1, 0, ln_out, is_first_microbatch, frame)
+        fc1_out, _ = linear_forward(self, self._fc1, 0, ln_out, is_first_microbatch, frame, par=fc1_par)
         act_out = apply_activation(self.activation, fc1_out)
         out, fc2_bias = linear_forward(self, self._fc2, 1, act_out, is_first_microbatch, frame,
-                                       add_bias=not self.return_bias)
+                                       add_bias=not self.return_bias, par=fc2_par)
         fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)
+        if self.return_bias and fc2_par.gathers_grad:
+            fc2_bias = all_reduce_grad(fc2_bias, self.tp_group)
+        if self.return_layernorm_output and self.return_layernorm_output_gathered and fc1_par.gathers_input:
+            ln_out = gather_from_sp(ln_out, self.tp_group)
         return pack_outputs(out, fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
 
     def extra_repr(self) -> str:

@@ -17,21 +17,10 @@ from te_parallel.module.base import (
     resolve_dtype,
     split_sizes,
 )
-from te_parallel.ops.linear import WgradTarget, linear
-
-
-def reject_tensor_parallel(owner: str, tp_group=None, tp_size: int = 1, sequence_parallel: bool = False,
-                           parallel_mode=None, **ub_flags) -> None:
-    """Until tensor parallelism lands, accept only the single-rank values of its arguments."""
-    if parallel_mode not in (None, "column", "row"):
-        raise ValueError(f"{owner}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
-    group_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-    if tp_size != 1 or group_size != 1 or sequence_parallel or any(ub_flags.values()):
-        raise NotImplementedError(
-            f"{owner}: tensor/sequence parallelism and comm-GEMM overlap are not implemented in this version "
-            f"(got tp_size={tp_size}, tp_group size={group_size}, sequence_parallel={sequence_parallel}, "
-            f"{', '.join(k for k, v in ub_flags.items() if v) or 'no ub flags'})"
-        )
+from te_parallel.module.parallel_mixin import TensorParallelMixin
+from te_parallel.ops.linear import LinearParallel, WgradTarget, linear
+from te_parallel.parallel.collectives import all_reduce_grad
+from te_parallel.parallel.groups import check_divisible, check_scatter_dim
 
 
 class LinearParams:
@@ -42,9 +31,13 @@ class LinearParams:
     """
 
     def __init__(self, module: nn.Module, in_features: int, out_features: int, *, bias: bool,
-                 parameters_split, init_method: Optional[Callable], device, dtype, prefix: str = "") -> None:
+                 parameters_split, init_method: Optional[Callable], device, dtype, prefix: str = "",
+                 split_divisor: int = 1) -> None:
+        """in/out_features are this rank's (local) sizes; split_divisor: the TP size by which
+        `parameters_split` sizes (given for the full layer) are divided."""
         owner = type(module).__name__
-        splits = split_sizes(out_features, parameters_split, owner)
+        splits = split_sizes(out_features * split_divisor, parameters_split, owner)
+        splits = [(name, check_divisible(owner, f"split {name!r} size", size, split_divisor)) for name, size in splits]
         weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
         (init_method or default_init)(weight)
         bias_full = torch.zeros(out_features, device=device, dtype=dtype) if bias else None
@@ -79,11 +72,15 @@ class LinearParams:
         return [WgradTarget(p, a, b) for p, (a, b) in zip(self.weights(module), self.bounds)]
 
 
-class Linear(FP8Module):
+class Linear(FP8Module, TensorParallelMixin):
     """Applies y = x·Wᵀ + b. Arguments, parameter names and outputs follow TE's `te.Linear`.
 
+    Tensor parallelism (Megatron): parallel_mode="column" splits W on out_features (output
+    [.., out/tp]), "row" on in_features (input [.., in/tp], output all-reduced); with
+    sequence_parallel the input (column) / output (row) is sharded on dim 0 (the sequence).
+    `in_features` / `out_features` attributes hold the local sizes, as in TE.
     forward(inp, is_first_microbatch=None) -> out, or (out, bias) with return_bias=True (the bias
-    is then not added, so it can be fused downstream).
+    is then not added, so it can be fused downstream; for row-parallel it is the full bias).
     """
 
     def __init__(
@@ -108,34 +105,81 @@ class Linear(FP8Module):
         ub_name: Optional[str] = None,
     ) -> None:
         check_features("Linear", in_features=in_features, out_features=out_features)
-        reject_tensor_parallel("Linear", tp_group, tp_size, sequence_parallel, parallel_mode,
-                               ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
+        check_parallel_mode("Linear", parallel_mode)
+        reject_overlap("Linear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=1, device=device)
-        self.in_features, self.out_features = in_features, out_features
+        self._init_tp("Linear", tp_group, tp_size, sequence_parallel)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self.in_features, self.out_features = local_features("Linear", in_features, out_features, parallel_mode, self.tp_size)
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.parallel_mode = dtype, parallel_mode
-        self._params = LinearParams(self, in_features, out_features, bias=bias, parameters_split=parameters_split,
-                                    init_method=init_method, device=device, dtype=dtype)
+        divisor = self.tp_size if parallel_mode == "column" else 1
+        self._params = LinearParams(self, self.in_features, self.out_features, bias=bias, parameters_split=parameters_split,
+                                    init_method=init_method, device=device, dtype=dtype, split_divisor=divisor)
+        mark_sequence_parallel(self, [*self._params.bias_names] if parallel_mode == "row" else [])
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("Linear", inp, self.in_features)
         dtype = activation_dtype(self.params_dtype, inp.device)
+        par = self._linear_parallel(self.parallel_mode, inp)
         out, bias = linear_forward(self, self._params, 0, inp.to(dtype), is_first_microbatch,
-                                   self._fp8_frame(), add_bias=not self.return_bias)
-        return (out, bias.to(dtype)) if self.return_bias else out
+                                   self._fp8_frame(), add_bias=not self.return_bias, par=par)
+        if not self.return_bias:
+            return out
+        if par.gathers_grad:  # the caller adds it to its M/tp tokens: sum the grad over the ranks
+            bias = all_reduce_grad(bias, par.group)
+        return out, bias.to(dtype)
+
+    def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor) -> LinearParallel:
+        self._check_tp_ready(inp.device)
+        par = LinearParallel(mode, self.tp_group, self.sequence_parallel)
+        if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
+            check_scatter_dim(type(self).__name__, inp.shape[0], self.tp_size)
+        return par
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"parallel_mode={self.parallel_mode}, tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+
+
+def check_parallel_mode(owner: str, parallel_mode) -> None:
+    if parallel_mode not in (None, "column", "row"):
+        raise ValueError(f"{owner}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
+
+
+def reject_overlap(owner: str, **ub_flags) -> None:
+    on = [k for k, v in ub_flags.items() if v]
+    if on:
+        raise NotImplementedError(f"{owner}: comm-GEMM overlap ({', '.join(on)}) is not implemented in this version")
+
+
+def local_features(owner: str, in_features: int, out_features: int, parallel_mode, tp_size: int):
+    """This rank's (in, out): column splits out_features, row splits in_features."""
+    if parallel_mode == "column":
+        return in_features, check_divisible(owner, "out_features", out_features, tp_size)
+    if parallel_mode == "row":
+        return check_divisible(owner, "in_features", in_features, tp_size), out_features
+    return in_features, out_features
+
+
+def mark_sequence_parallel(module: nn.Module, names) -> None:
+    """Megatron's marker on parameters whose gradient is partial per rank under sequence parallelism
+    (te_parallel all-reduces those itself unless told not to; the marker lets other tools see it)."""
+    if getattr(module, "sequence_parallel", False):
+        for n in names:
+            p = getattr(module, n, None)
+            if p is not None:
+                p.sequence_parallel = True
 
 
 def linear_forward(module: FP8Module, params: LinearParams, gemm: int, inp: torch.Tensor,
-                   is_first_microbatch, frame, add_bias: bool = True):
+                   is_first_microbatch, frame, add_bias: bool = True, par: LinearParallel = LinearParallel()):
     """Run GEMM number `gemm` of `module` on `inp`; returns (out, bias-or-None)."""
     weights = params.weights(module)
     weight, bias = params.weight(module), params.bias(module)
-    fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch)
+    fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
     targets = params.wgrad_targets(module) if module.fuse_wgrad_accumulation else None
-    out = linear(inp, weight, bias if add_bias else None, fp8, targets)
+    out = linear(inp, weight, bias if add_bias else None, fp8, targets, par)
     return out, bias

@@ -38,26 +38,33 @@ class GemmFP8:
         hist = self.state.tensors(backward)[0]
         return hist[0, slot : slot + 1]
 
-    def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool) -> Float8Tensor:
+    def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool, amax_group=None) -> Float8Tensor:
+        """amax_group: for current scaling of a tensor that will be gathered, the ranks whose amaxes
+        are all-reduced first so that every shard is encoded with the same scale."""
         fmt = self.recipe.fp8_format
         dtype = fmt.bwd_dtype if backward else fmt.fwd_dtype
         if not self.delayed:
-            return quantize_current(x, dtype, transpose=transpose)
+            amax = None
+            if amax_group is not None and dist.get_world_size(amax_group) > 1:
+                amax = amax_of(x)
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+            return quantize_current(x, dtype, amax=amax, transpose=transpose)
         scale = self.state.tensors(backward)[1][slot]
         return quantize(x, scale, dtype, amax_out=self._amax_cell(slot, backward), transpose=transpose)
 
-    def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
-        """The weight W [N, K]; its transpose is made when dgrad first needs it."""
-        return self._cast(w, FP8ScalingState.weight_slot(self.gemm), backward=False, transpose=False)
+    def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
+        """The weight W [N, K] (a shard under TP); its transpose is made when dgrad first needs it."""
+        slot = FP8ScalingState.weight_slot(self.gemm)
+        return self._cast(w, slot, backward=False, transpose=False, amax_group=amax_group)
 
     def record_weight_amax(self, w: torch.Tensor) -> None:
         self._record(w, FP8ScalingState.weight_slot(self.gemm), backward=False)
 
-    def cast_input(self, x: torch.Tensor, transpose: bool) -> Float8Tensor:
-        return self._cast(x, self._slot(False), backward=False, transpose=transpose)
+    def cast_input(self, x: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
+        return self._cast(x, self._slot(False), backward=False, transpose=transpose, amax_group=amax_group)
 
-    def cast_grad(self, dy: torch.Tensor, transpose: bool) -> Float8Tensor:
-        q = self._cast(dy, self._slot(True), backward=True, transpose=transpose)
+    def cast_grad(self, dy: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
+        q = self._cast(dy, self._slot(True), backward=True, transpose=transpose, amax_group=amax_group)
         self.on_backward()
         return q
 

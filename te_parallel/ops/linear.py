@@ -1,22 +1,38 @@
-"""The linear autograd Function: y = x·Wᵀ + b, in FP8 or high precision, with TE's wgrad fusion.
+"""The linear autograd Function: y = x·Wᵀ + b, in FP8 or high precision, single-rank or tensor-parallel.
 
-Shapes: x [..., K] is viewed as [M, K] (M = tokens), W [N, K], y [..., N].
-    fprop y  = x·Wᵀ   (needs x, W)
-    dgrad dx = dy·W   (needs dy, Wᵀ copy)
+Shapes on one rank (tp = TP group size, M = tokens, rows ordered sequence-major so dim 0 of the
+2-D view is the sequence dim that sequence parallelism shards):
+    fprop y  = x·Wᵀ   (needs x, W)          dgrad dx = dy·W (needs dy, Wᵀ copy)
     wgrad dW = dyᵀ·x  (needs dyᵀ copy, xᵀ copy)
-In FP8 only the transposed input xᵀ is kept for backward (FP8: a quarter of fp32's bytes), and the
-quantized weight comes from the module's cache, so it is cast once per step, not per call.
+Column-parallel (W [N/tp, K]): x is replicated (no SP) or gathered from [M/tp, K] (SP, in FP8 when
+autocast is on: the bytes are cast first, half of bf16); dx is a partial sum, all-reduced (no SP) or
+reduce-scattered back to [M/tp, K] (SP). Row-parallel (W [N, K/tp]): y is a partial sum,
+all-reduced (no SP) or reduce-scattered to [M/tp, N] (SP), bias added after; under SP backward
+gathers dy (FP8 bytes) and all-reduces the bias gradient (each rank saw M/tp tokens).
+
+Backward overlap (issue: no exposed comm where a GEMM can hide it), in issue order on the stream:
+    1. start the async re-gather of x (column+SP; only the local shard was kept)
+    2. dgrad GEMM                                   <- overlaps 1
+    3. start the async all-reduce / reduce-scatter of dx
+    4. wait 1; wgrad GEMM                           <- overlaps 3
+    5. wait 3
+Async collectives run on the communicator's own stream after waiting for the current stream at
+launch; `wait()` makes the current stream wait for them (no host block with NCCL). With NCCL set
+CUDA_DEVICE_MAX_CONNECTIONS=1 so the collective's kernel is scheduled before the GEMM issued after it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
 from te_parallel.ops.fp8_gemm_config import GemmFP8
+from te_parallel.parallel.collectives import all_gather_dim0, all_reduce, reduce_scatter_dim0
+from te_parallel.parallel.groups import group_size
 
 
 @dataclass(frozen=True)
@@ -26,6 +42,36 @@ class WgradTarget:
     param: torch.nn.Parameter
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class LinearParallel:
+    """How one linear layer is split across its tensor-parallel group."""
+
+    mode: Optional[str] = None  # None, "column", "row"
+    group: Optional[dist.ProcessGroup] = None
+    sequence_parallel: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.mode is not None and group_size(self.group) > 1
+
+    @property
+    def amax_group(self):
+        """Current scaling: the ranks whose amaxes are all-reduced before a cast. Every operand of a
+        split GEMM is reduced (not only gathered ones), so that TP=N quantizes exactly like TP=1."""
+        return self.group if self.active else None
+
+    @property
+    def gathers_input(self) -> bool:  # column + SP: x [M/tp, K] -> [M, K]
+        return self.active and self.mode == "column" and self.sequence_parallel
+
+    @property
+    def gathers_grad(self) -> bool:  # row + SP: dy [M/tp, N] -> [M, N]
+        return self.active and self.mode == "row" and self.sequence_parallel
+
+
+SINGLE = LinearParallel()
 
 
 def _accumulate_main_grad(targets: List[WgradTarget], dw: torch.Tensor) -> None:
@@ -42,63 +88,122 @@ def _accumulate_main_grad(targets: List[WgradTarget], dw: torch.Tensor) -> None:
             t.param.grad_added_to_main_grad = True
 
 
+def _gather(t, group, async_op=False):
+    """All-gather dim 0 of a high-precision tensor or of FP8 bytes (which keep their shared scale_inv)."""
+    if isinstance(t, Float8Tensor):
+        data, handle = all_gather_dim0(t.data, group, async_op)
+        return Float8Tensor(data, t.scale_inv), handle
+    return all_gather_dim0(t, group, async_op)
+
+
+def _fprop(x, w, bias, out_dtype):
+    if isinstance(x, Float8Tensor):
+        return gemm.fprop(x, w, out_dtype, bias)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(out_dtype))
+
+
+def _dgrad(dy, w, out_dtype):
+    return gemm.dgrad(dy, w, out_dtype) if isinstance(dy, Float8Tensor) else dy @ w
+
+
+def _wgrad(dy, x, out_dtype):
+    return gemm.wgrad(dy, x, out_dtype) if isinstance(dy, Float8Tensor) else (dy.t() @ x).to(out_dtype)
+
+
+def _reduce_output(y2d: torch.Tensor, par: LinearParallel) -> torch.Tensor:
+    if par.sequence_parallel:
+        return reduce_scatter_dim0(y2d, par.group)[0]
+    all_reduce(y2d, par.group)
+    return y2d
+
+
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, fp8: Optional[GemmFP8], wgrad_targets: Optional[List[WgradTarget]]):
+    def forward(ctx, inp, weight, bias, fp8: Optional[GemmFP8], wgrad_targets, par: LinearParallel):
         out_features, in_features = weight.shape
-        x2d = inp.reshape(-1, in_features)  # [M, K]
-        act_dtype = inp.dtype
+        x2d = inp.reshape(-1, in_features)  # [M or M/tp, K]
+        act_dtype, row = inp.dtype, par.active and par.mode == "row"
         need_wgrad = weight.requires_grad or bool(wgrad_targets)
-        ctx.fp8, ctx.wgrad_targets, ctx.act_dtype = fp8, wgrad_targets, act_dtype
-        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
-        ctx.inp_shape = inp.shape
         if fp8 is not None and fp8.compute:
-            x_q = fp8.cast_input(x2d, transpose=need_wgrad)
-            y2d = gemm.fprop(x_q, fp8.weight, act_dtype, bias)
-            # Keep only xᵀ (wgrad reads nothing else): data is a view of it, no extra bytes.
-            ctx.x_saved = None if not need_wgrad else Float8Tensor(x_q.data_t.t(), x_q.scale_inv, x_q.data_t)
-            ctx.w_saved = fp8.weight
-            ctx.save_for_backward()
+            x_local = fp8.cast_input(x2d, transpose=False, amax_group=par.amax_group)
+            w_used = fp8.weight
         else:
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
-            w = weight.to(act_dtype)
-            y2d = torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(act_dtype))
-            ctx.save_for_backward(x2d if need_wgrad else None, w)
-        return y2d.reshape(*inp.shape[:-1], out_features)
+            x_local, w_used = x2d, weight.to(act_dtype)
+        x_used = _gather(x_local, par.group)[0] if par.gathers_input else x_local
+        y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
+        if row:
+            y2d = _reduce_output(y2d, par)
+            if bias is not None:
+                y2d = y2d + bias.to(act_dtype)
+        ctx.fp8, ctx.targets, ctx.par, ctx.act_dtype = fp8, wgrad_targets, par, act_dtype
+        ctx.has_bias, ctx.weight_dtype, ctx.inp_shape = bias is not None, weight.dtype, inp.shape
+        ctx.w_saved = w_used
+        ctx.x_saved = None
+        if need_wgrad:  # the local shard when backward re-gathers it, else (FP8) xᵀ only
+            regather = par.gathers_input or not isinstance(x_local, Float8Tensor)
+            ctx.x_saved = x_local if regather else _only_transposed(x_local)
+        if inp.dim() == 1:
+            return y2d.reshape(out_features)
+        return y2d.reshape(-1, *inp.shape[1:-1], out_features)  # dim 0: s, s·tp (gathered) or s/tp (scattered)
 
     @staticmethod
     def backward(ctx, grad_out):
-        fp8, targets = ctx.fp8, ctx.wgrad_targets
+        fp8, targets, par = ctx.fp8, ctx.targets, ctx.par
         need_dx = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1] or bool(targets)
-        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.act_dtype)  # [M, N]
-        dx2d = dw = None
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.act_dtype)  # [M or M/tp, N]
+        dbias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = dy2d.sum(0)
+            if par.gathers_grad:  # each rank summed its own M/tp tokens
+                all_reduce(dbias, par.group)
         if fp8 is not None and fp8.compute:
-            dy_q = fp8.cast_grad(dy2d, transpose=need_dw)
-            if need_dx:
-                dx2d = gemm.dgrad(dy_q, ctx.w_saved, ctx.act_dtype)
-            if need_dw:
-                dw_dtype = torch.float32 if targets else ctx.weight_dtype
-                dw = gemm.wgrad(dy_q, ctx.x_saved, dw_dtype)
+            dy = fp8.cast_grad(dy2d, transpose=False, amax_group=par.amax_group)
         else:
-            x2d, w = ctx.saved_tensors
             if fp8 is not None:
                 fp8.record_amax(dy2d, backward=True)
-            if need_dx:
-                dx2d = dy2d @ w
-            if need_dw:
-                dw = dy2d.t() @ x2d
-        dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            dy = dy2d
+        if par.gathers_grad:
+            dy = _gather(dy, par.group)[0]
+        x_full, x_handle = ctx.x_saved, None
+        if need_dw and par.gathers_input:
+            x_full, x_handle = _gather(ctx.x_saved, par.group, async_op=True)  # overlaps dgrad
+        dx2d, dx_handle = None, None
+        if need_dx:
+            dx2d = _dgrad(dy, ctx.w_saved, ctx.act_dtype)
+            dx2d, dx_handle = _reduce_dgrad(dx2d, par)  # async, overlaps wgrad
+        dw = None
+        if need_dw:
+            if x_handle is not None:
+                x_handle.wait()
+            dw = _wgrad(dy, x_full, torch.float32 if targets else ctx.weight_dtype)
+        if dx_handle is not None:
+            dx_handle.wait()
         if targets and dw is not None:
             _accumulate_main_grad(targets, dw)
             dw = None
-        elif dw is not None:
-            dw = dw.to(ctx.weight_dtype)
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
-        return dx, dw, dbias, None, None
+        return dx, dw, dbias, None, None, None
 
 
-def linear(inp, weight, bias=None, fp8: Optional[GemmFP8] = None, wgrad_targets=None) -> torch.Tensor:
+def _only_transposed(q: Float8Tensor) -> Float8Tensor:
+    """Keep only xᵀ for wgrad (data becomes a view of it: no extra bytes)."""
+    data_t = q.transposed()
+    return Float8Tensor(data_t.t(), q.scale_inv, data_t)
+
+
+def _reduce_dgrad(dx2d: torch.Tensor, par: LinearParallel):
+    """Column-parallel dx is a partial sum over the N shards: all-reduce, or reduce-scatter under SP."""
+    if not (par.active and par.mode == "column"):
+        return dx2d, None
+    if par.sequence_parallel:
+        return reduce_scatter_dim0(dx2d, par.group, async_op=True)
+    return dx2d, all_reduce(dx2d, par.group, async_op=True)
+
+
+def linear(inp, weight, bias=None, fp8: Optional[GemmFP8] = None, wgrad_targets=None,
+           par: LinearParallel = SINGLE) -> torch.Tensor:
     """Functional form of `LinearFunction` (inp already in the activation dtype)."""
-    return LinearFunction.apply(inp, weight, bias, fp8, wgrad_targets)
+    return LinearFunction.apply(inp, weight, bias, fp8, wgrad_targets, par)

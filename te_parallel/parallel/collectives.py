@@ -1,0 +1,137 @@
+"""Tensor- and sequence-parallel collectives, each a named autograd Function (STYLE.md 3).
+
+Shapes are per rank, tp = group size, s = sequence (dim 0, sequence parallelism shards it):
+
+  CopyToTP          fwd identity                    bwd all-reduce(grad)
+  ReduceFromTP      fwd all-reduce                  bwd identity
+  GatherFromSP      fwd all-gather  [s/tp] -> [s]   bwd reduce-scatter [s] -> [s/tp]
+  ReduceScatterToSP fwd reduce-scatter [s] -> [s/tp] bwd all-gather [s/tp] -> [s]
+  AllReduceGrad     fwd identity (a parameter)      bwd all-reduce(grad): for weights applied to
+                                                    sequence-sharded activations (norm γ/β, row bias)
+
+The plain helpers below (all_gather_dim0, reduce_scatter_dim0) move "a tensor" and know nothing
+of FP8; an FP8 gather moves the uint8 view of the bytes (STYLE.md 4).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from te_parallel.parallel.groups import check_scatter_dim, group_size
+
+Handle = Optional[dist.Work]
+
+
+def all_gather_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple[torch.Tensor, Handle]:
+    """[n, ...] on each rank -> [tp·n, ...] (rank order). FP8 tensors travel as bytes."""
+    t = t.contiguous()
+    tp = group_size(group)
+    if tp == 1:
+        return t, None
+    out = torch.empty((tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        handle = dist.all_gather_into_tensor(out.view(torch.uint8), t.view(torch.uint8), group=group, async_op=async_op)
+    else:
+        handle = dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+    return out, handle
+
+
+def reduce_scatter_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple[torch.Tensor, Handle]:
+    """[n, ...] partial sums on each rank -> [n/tp, ...] this rank's slice of the sum."""
+    tp = group_size(group)
+    if tp == 1:
+        return t, None
+    check_scatter_dim("reduce_scatter", t.shape[0], tp)
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] // tp, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    handle = dist.reduce_scatter_tensor(out, t, group=group, async_op=async_op)
+    return out, handle
+
+
+def all_reduce(t: torch.Tensor, group, async_op: bool = False) -> Handle:
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(t, group=group, async_op=async_op)
+
+
+class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_dim0(grad, ctx.group)[0], None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group)[0], None
+
+
+class AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param, group):
+        ctx.group = group
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+def copy_to_tp(x, group):
+    return CopyToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_tp(x, group):
+    return ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_from_sp(x, group):
+    return GatherFromSP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sp(x, group):
+    return ReduceScatterToSP.apply(x, group) if group_size(group) > 1 else x
+
+
+def all_reduce_grad(param, group):
+    """Use `param` as is; sum its gradient over `group` (parameters that see sequence shards)."""
+    return AllReduceGrad.apply(param, group) if param is not None and group_size(group) > 1 else param

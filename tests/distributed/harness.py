@@ -1,0 +1,65 @@
+"""Spawn `world` worker processes from pytest, each with a torch.distributed group, and collect failures.
+
+Backend: NCCL with one GPU per rank when there are enough GPUs (TE_PARALLEL_TEST_DEVICE=cpu forces
+gloo on the CPU), else gloo on the CPU. Each worker runs a whole batch of checks (one launch per
+world size keeps CI fast) and raises one AssertionError listing every failed check.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def use_cuda(world: int) -> bool:
+    return os.environ.get("TE_PARALLEL_TEST_DEVICE") != "cpu" and torch.cuda.device_count() >= world
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    cuda = use_cuda(world)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank) if cuda else None)
+    try:
+        fn(rank, world, torch.device("cuda", rank) if cuda else torch.device("cpu"), *args)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, *args) -> None:
+    """Run fn(rank, world, device, *args) on `world` processes; re-raises a worker's failure."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+class Checks:
+    """Collects failures of named checks so one launch reports all of them."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.failures, self.count = rank, [], 0
+
+    def run(self, name: str, fn: Callable, *args) -> None:
+        self.count += 1
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - report every failing case, not just the first
+            detail = str(e) if isinstance(e, AssertionError) else traceback.format_exc(limit=-3)
+            self.failures.append(f"[rank {self.rank}] {name}: {detail}")
+
+    def raise_if_failed(self) -> None:
+        if self.failures:
+            raise AssertionError(f"{len(self.failures)} of {self.count} checks failed:\n" + "\n".join(self.failures))

@@ -1,0 +1,62 @@
+"""Tensor and sequence parallelism, TP = 2 and 4, launched from pytest (gloo on CPU, NCCL on GPUs)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import te_parallel as te
+from te_parallel import recipe as R
+from tests.distributed.harness import Checks, spawn
+from tests.distributed.tp_cases import all_cases, run_case
+
+
+def _suite(rank, world, device):
+    group = dist.new_group(list(range(world)))
+    checks = Checks(rank)
+    for case in all_cases():
+        checks.run(str(case), run_case, case, rank, world, group, device)
+    checks.run("amax outlier on one rank", _outlier, rank, world, group, device)
+    checks.run("bad input", _bad_input, rank, world, group, device)
+    checks.raise_if_failed()
+
+
+def _outlier(rank, world, group, device):
+    """Delayed scaling: an outlier on rank 1's sequence shard sets every rank's scale."""
+    m = te.Linear(32, 64, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device)
+    x = torch.randn(16 // world, 4, 32, device=device)
+    if rank == 1:
+        x[0, 0, 0] = 1000.0
+    with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+        y = m(x)
+    y.sum().backward()
+    scale = m.fp8_state.fwd_scale[0].item()
+    assert scale == pytest.approx(448.0 / 1000.0), f"rank {rank}: input scale {scale}, want 448/1000"
+
+
+def _bad_input(rank, world, group, device):
+    def raises(exc, text, fn):
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e) and "\n" not in str(e), str(e)
+            return
+        raise AssertionError(f"no {exc.__name__} raised (wanted: {text})")
+
+    raises(ValueError, f"tp_size=3 but tp_group has {world} ranks",
+           lambda: te.Linear(32, 48, tp_group=group, tp_size=3, parallel_mode="column", device=device))
+    odd = 8 * world + 1
+    raises(ValueError, f"out_features={odd} is not divisible by tp_size={world}",
+           lambda: te.Linear(32, odd, tp_group=group, parallel_mode="column", device=device))
+    raises(ValueError, f"in_features={odd} is not divisible by tp_size={world}",
+           lambda: te.Linear(odd, 32, tp_group=group, parallel_mode="row", device=device))
+    row = te.Linear(32, 32, tp_group=group, parallel_mode="row", sequence_parallel=True, device=device)
+    raises(ValueError, f"sequence length {world + 1} (dim 0) is not divisible by tp_size={world}",
+           lambda: row(torch.randn(world + 1, 2, 32 // world, device=device)))
+    from te_parallel.parallel.groups import check_group_device
+    if dist.get_backend(group) == "gloo":
+        raises(ValueError, "backend 'gloo', which cannot communicate CUDA tensors",
+               lambda: check_group_device("Linear", group, torch.device("cuda")))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_suite(world):
+    spawn(_suite, world)
