@@ -134,7 +134,7 @@ class Linear(FP8Module, TensorParallelMixin):
 
     def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor) -> LinearParallel:
         self._check_tp_ready(inp.device)
-        par = LinearParallel(mode, self.tp_group, self.sequence_parallel)
+        par = LinearParallel(mode, self.tp_group, self.sequence_parallel, getattr(self, "fp8_all_gather", True))
         if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
             check_scatter_dim(type(self).__name__, inp.shape[0], self.tp_size)
         return par

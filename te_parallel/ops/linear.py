@@ -51,6 +51,7 @@ class LinearParallel:
     mode: Optional[str] = None  # None, "column", "row"
     group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
+    fp8_gather: bool = True  # False: gather the high-precision input, then cast (twice the bytes; for comparison)
 
     @property
     def active(self) -> bool:
@@ -124,6 +125,10 @@ class LinearFunction(torch.autograd.Function):
         x2d = inp.reshape(-1, in_features)  # [M or M/tp, K]
         act_dtype, row = inp.dtype, par.active and par.mode == "row"
         need_wgrad = weight.requires_grad or bool(wgrad_targets)
+        # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
+        regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute)
+        if par.gathers_input and not regather:
+            x2d = _gather(x2d, par.group)[0]
         if fp8 is not None and fp8.compute:
             x_local = fp8.cast_input(x2d, transpose=False, amax_group=par.amax_group)
             w_used = fp8.weight
@@ -131,7 +136,7 @@ class LinearFunction(torch.autograd.Function):
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
             x_local, w_used = x2d, weight.to(act_dtype)
-        x_used = _gather(x_local, par.group)[0] if par.gathers_input else x_local
+        x_used = _gather(x_local, par.group)[0] if regather else x_local
         y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
         if row:
             y2d = _reduce_output(y2d, par)
@@ -140,10 +145,10 @@ class LinearFunction(torch.autograd.Function):
         ctx.fp8, ctx.targets, ctx.par, ctx.act_dtype = fp8, wgrad_targets, par, act_dtype
         ctx.has_bias, ctx.weight_dtype, ctx.inp_shape = bias is not None, weight.dtype, inp.shape
         ctx.w_saved = w_used
-        ctx.x_saved = None
+        ctx.x_saved, ctx.regather = None, regather
         if need_wgrad:  # the local shard when backward re-gathers it, else (FP8) xᵀ only
-            regather = par.gathers_input or not isinstance(x_local, Float8Tensor)
-            ctx.x_saved = x_local if regather else _only_transposed(x_local)
+            keep = regather or not isinstance(x_local, Float8Tensor)
+            ctx.x_saved = x_local if keep else _only_transposed(x_local)
         if inp.dim() == 1:
             return y2d.reshape(out_features)
         return y2d.reshape(-1, *inp.shape[1:-1], out_features)  # dim 0: s, s·tp (gathered) or s/tp (scattered)
@@ -168,7 +173,7 @@ class LinearFunction(torch.autograd.Function):
         if par.gathers_grad:
             dy = _gather(dy, par.group)[0]
         x_full, x_handle = ctx.x_saved, None
-        if need_dw and par.gathers_input:
+        if need_dw and ctx.regather:
             x_full, x_handle = _gather(ctx.x_saved, par.group, async_op=True)  # overlaps dgrad
         dx2d, dx_handle = None, None
         if need_dx:

@@ -16,6 +16,7 @@ def _suite(rank, world, device):
         checks.run(str(case), run_case, case, rank, world, group, device)
     checks.run("amax outlier on one rank", _outlier, rank, world, group, device)
     checks.run("bad input", _bad_input, rank, world, group, device)
+    checks.run("FP8 gather == high-precision gather then cast", _gather_paths_agree, rank, world, group, device)
     checks.raise_if_failed()
 
 
@@ -30,6 +31,23 @@ def _outlier(rank, world, group, device):
     y.sum().backward()
     scale = m.fp8_state.fwd_scale[0].item()
     assert scale == pytest.approx(448.0 / 1000.0), f"rank {rank}: input scale {scale}, want 448/1000"
+
+
+def _gather_paths_agree(rank, world, group, device):
+    """Casting then gathering FP8 bytes gives the same bytes as gathering then casting (shared scale)."""
+    outs = []
+    for fp8_gather in (True, False):
+        torch.manual_seed(5)
+        m = te.Linear(32, 64, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device)
+        m.fp8_all_gather = fp8_gather
+        x = torch.randn(16 // world, 4, 32, device=device, requires_grad=True)
+        for recipe in (R.DelayedScaling(), R.Float8CurrentScaling()):
+            with te.fp8_autocast(fp8_recipe=recipe):
+                y = m(x)
+            y.backward(torch.ones_like(y))
+        outs.append((y, x.grad, m.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b), "FP8 gather and high-precision gather differ"
 
 
 def _bad_input(rank, world, group, device):
