@@ -5,7 +5,19 @@
 """
 from te_parallel import _native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
-from te_parallel.module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from te_parallel.module import (
+    DotProductAttention,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    MultiheadAttention,
+    RMSNorm,
+    RotaryPositionEmbedding,
+    TransformerLayer,
+    apply_rotary_pos_emb,
+)
+from te_parallel.parallel.random import CudaRNGStatesTracker
 
 __version__ = "0.1.0"
 
@@ -17,6 +29,12 @@ __all__ = [
     "RMSNorm",
     "LayerNormLinear",
     "LayerNormMLP",
+    "DotProductAttention",
+    "MultiheadAttention",
+    "TransformerLayer",
+    "RotaryPositionEmbedding",
+    "apply_rotary_pos_emb",
+    "CudaRNGStatesTracker",
     "fp8_autocast",
     "is_fp8_available",
     "Float8Tensor",

@@ -130,7 +130,7 @@ class Linear(FP8Module, TensorParallelMixin):
             return out
         if par.gathers_grad:  # the caller adds it to its M/tp tokens: sum the grad over the ranks
             bias = all_reduce_grad(bias, par.group)
-        return out, bias.to(dtype)
+        return out, None if bias is None else bias.to(dtype)
 
     def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor) -> LinearParallel:
         self._check_tp_ready(inp.device)

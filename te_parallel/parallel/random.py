@@ -130,10 +130,11 @@ def model_parallel_seed(tracker: CudaRNGStatesTracker, seed: int, tp_rank: int,
     """Add the TP stream `name` with seed `seed + offset + tp_rank` to `tracker`; return that seed.
 
     Megatron's `model_parallel_cuda_manual_seed` convention: a different seed per TP rank for dropout on
-    sharded activations, offset from `seed` so it never equals the default stream of any rank. The
+    sharded activations, offset from `seed` so the TP stream is not the default stream. The
     default RNG is the script's to seed with `seed` itself (torch.manual_seed(seed), the same on every
-    TP rank, for dropout on replicated activations); this function does not touch it. Data-parallel
-    replicas of a TP rank get the same TP seed, as in Megatron, so their masks match.
+    TP rank, for dropout on replicated activations); this function does not touch it. Only tp_rank
+    varies the seed here: to vary it across pipeline stages too, vary `seed` (Megatron passes
+    seed + 100 * pipeline rank).
     """
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
         raise ValueError(f"model_parallel_seed: tp_rank must be an int >= 0, got {tp_rank!r}")

@@ -1,0 +1,138 @@
+"""te.MultiheadAttention: (norm →) QKV projection → RoPE → DotProductAttention → output projection."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from te_parallel.module.attention import DotProductAttention
+from te_parallel.module.layernorm_linear import LayerNormLinear, pack_outputs
+from te_parallel.module.linear import Linear
+from te_parallel.module.rope import apply_rotary_pos_emb
+from te_parallel.module.parallel_mixin import resolve_tp_size
+
+
+def head_dim(owner: str, hidden_size: int, num_heads: int, kv_channels: Optional[int]) -> int:
+    if kv_channels is not None:
+        return kv_channels
+    if hidden_size % num_heads:
+        raise ValueError(f"{owner}: hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads}; pass kv_channels")
+    return hidden_size // num_heads
+
+
+class MultiheadAttention(nn.Module):
+    """Self or cross attention with TE's arguments; column-parallel QKV, row-parallel projection.
+
+    Fused QKV (fuse_qkv_params=True) is one weight; with qkv_weight_interleaved (TE's default) its
+    rows are grouped per KV group as [q heads of the group, k, v] so a column shard holds whole
+    groups; otherwise [q | k | v]. fuse_qkv_params=False gives separate query_/key_/value_ weights.
+    forward(hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
+    window_size=None, is_first_microbatch=None, rotary_pos_emb=None) -> out[, bias][, ln_out].
+    """
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
+                 attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5, init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None, layer_number: Optional[int] = None,
+                 attn_mask_type: str = "causal", window_size=None, tp_group=None, tp_size: int = 1,
+                 num_gqa_groups: Optional[int] = None, fuse_wgrad_accumulation: bool = False, get_rng_state_tracker=None,
+                 sequence_parallel: bool = False, params_dtype=None, return_bias: bool = False,
+                 return_layernorm_output: bool = False, input_layernorm: bool = False, attention_type: str = "self",
+                 set_parallel_mode: bool = False, fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
+                 qkv_weight_interleaved: bool = True, ub_overlap_ag: bool = False, ub_overlap_rs: bool = False,
+                 bias: bool = True, normalization: str = "LayerNorm", device=None, qkv_format: str = "sbhd",
+                 attention_backend: str = "auto") -> None:
+        super().__init__()
+        owner = "MultiheadAttention"
+        self.tp_size = resolve_tp_size(owner, tp_group, tp_size)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.head_dim = head_dim(owner, hidden_size, num_attention_heads, kv_channels)
+        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if sequence_parallel and qkv_format != "sbhd":
+            raise ValueError(f"{owner}: sequence_parallel shards dim 0 and needs qkv_format='sbhd', got {qkv_format!r}")
+        self.attention_type, self.input_layernorm, self.qkv_format = attention_type, input_layernorm, qkv_format
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        self.fuse_qkv_params, self.interleaved = fuse_qkv_params, qkv_weight_interleaved and fuse_qkv_params
+        self.hidden_q, self.hidden_kv = num_attention_heads * self.head_dim, self.num_gqa_groups * self.head_dim
+        self.core_attention = DotProductAttention(
+            num_attention_heads, self.head_dim, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size, tp_size=self.tp_size,
+            get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, layer_number=layer_number,
+            attention_type=attention_type, backend=attention_backend)
+        col = "column" if set_parallel_mode else None
+        common = dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=self.tp_size,
+                      sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device, bias=bias,
+                      get_rng_state_tracker=get_rng_state_tracker)
+        ln = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                  return_layernorm_output=return_layernorm_output)
+        self._build_projections(hidden_size, attention_type, input_layernorm, col, init_method, common, ln)
+        self.proj = Linear(self.hidden_q, hidden_size, init_method=output_layer_init_method or init_method,
+                           parallel_mode="row" if set_parallel_mode else None, return_bias=True, **common)
+
+    def _build_projections(self, hidden, attention_type, input_layernorm, col, init, common, ln) -> None:
+        def make(out, split, prefix_norm: bool, name: str):
+            split = None if self.fuse_qkv_params else split
+            if prefix_norm:
+                setattr(self, name, LayerNormLinear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split, **ln, **common))
+            else:
+                setattr(self, name, Linear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split, **common))
+
+        q, kv = self.hidden_q, self.hidden_kv
+        if attention_type == "self":
+            name = "layernorm_qkv" if input_layernorm else "qkv"
+            make(q + 2 * kv, {"query": q, "key": kv, "value": kv}, input_layernorm, name)
+            self._qkv_name = name
+        elif attention_type == "cross":
+            name = "layernorm_query" if input_layernorm else "query_layer"
+            make(q, None, input_layernorm, name)
+            make(2 * kv, {"key": kv, "value": kv}, False, "key_value")
+            self._qkv_name = name
+        else:
+            raise ValueError(f"MultiheadAttention: attention_type must be 'self' or 'cross', got {attention_type!r}")
+
+    def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.reshape(*t.shape[:2], n, self.head_dim)
+
+    def _split_qkv(self, mixed: torch.Tensor):
+        """[.., (h + 2g)/tp · d] -> q [.., h/tp, d], k, v [.., g/tp, d]."""
+        h, g = self.core_attention.num_heads, self.core_attention.num_gqa_groups
+        if self.interleaved:
+            grouped = mixed.reshape(*mixed.shape[:2], g, h // g + 2, self.head_dim)
+            q = grouped[..., : h // g, :].reshape(*mixed.shape[:2], h, self.head_dim)
+            return q, grouped[..., h // g, :], grouped[..., h // g + 1, :]
+        q, k, v = mixed.split([h * self.head_dim, g * self.head_dim, g * self.head_dim], dim=-1)
+        return self._heads(q, h), self._heads(k, g), self._heads(v, g)
+
+    def _split_kv(self, mixed: torch.Tensor):
+        g = self.core_attention.num_gqa_groups
+        if self.interleaved:
+            grouped = mixed.reshape(*mixed.shape[:2], g, 2, self.head_dim)
+            return grouped[..., 0, :], grouped[..., 1, :]
+        k, v = mixed.chunk(2, dim=-1)
+        return self._heads(k, g), self._heads(v, g)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output: Optional[torch.Tensor] = None,
+                attn_mask_type: Optional[str] = None, window_size=None, is_first_microbatch: Optional[bool] = None,
+                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None):
+        first = getattr(self, self._qkv_name)
+        out = first(hidden_states, is_first_microbatch=is_first_microbatch)
+        ln_out = None
+        if self.input_layernorm and self.return_layernorm_output:
+            out, ln_out = out
+        if self.attention_type == "self":
+            q, k, v = self._split_qkv(out)
+        else:
+            if encoder_output is None:
+                raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
+            q = self._heads(out, self.core_attention.num_heads)
+            k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+            q = apply_rotary_pos_emb(q, q_emb, self.qkv_format)
+            k = apply_rotary_pos_emb(k, k_emb, self.qkv_format)
+        context = self.core_attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type, window_size=window_size)
+        out, bias = self.proj(context, is_first_microbatch=is_first_microbatch)
+        if not self.return_bias:
+            out = out + bias if bias is not None else out
+            bias = None
+        return pack_outputs(out, bias, ln_out, self.return_bias, self.input_layernorm and self.return_layernorm_output)

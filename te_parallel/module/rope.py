@@ -1,0 +1,55 @@
+"""Rotary position embedding (RoPE): the frequency table and its application to q / k."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class RotaryPositionEmbedding(nn.Module):
+    """freqs[s] = s · base^(−2i/dim), i < dim/2; forward(max_seq_len) -> [s, 1, 1, rot_dim] (TE's layout).
+
+    rotary_percent < 1 rotates only the first rotary_percent · dim channels of each head.
+    seq_len_interpolation_factor divides the positions (linear position interpolation).
+    """
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
+                 pretrained_max_position_embeddings: Optional[int] = None, rotary_base: float = 10000.0) -> None:
+        super().__init__()
+        if not 0 < rotary_percent <= 1:
+            raise ValueError(f"RotaryPositionEmbedding: rotary_percent must be in (0, 1], got {rotary_percent}")
+        rot_dim = int(dim * rotary_percent)
+        if rot_dim % 2:
+            raise ValueError(f"RotaryPositionEmbedding: rotated channels dim·rotary_percent={rot_dim} must be even")
+        self.rot_dim, self.interpolation = rot_dim, seq_len_interpolation_factor
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        pos = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
+        if self.interpolation is not None:
+            pos = pos / self.interpolation
+        freqs = torch.outer(pos, self.inv_freq)  # [s, rot_dim/2]
+        return torch.cat([freqs, freqs], dim=-1).view(max_seq_len, 1, 1, self.rot_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd") -> torch.Tensor:
+    """Rotate the first rot_dim channels of t [s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd") by freqs [s', 1, 1, rot_dim]."""
+    seq_dim = 0 if tensor_format == "sbhd" else 1
+    s = t.shape[seq_dim]
+    if freqs.shape[0] < s:
+        raise ValueError(f"rotary_pos_emb covers {freqs.shape[0]} positions, the input has {s}")
+    f = freqs[:s]
+    if tensor_format == "bshd":
+        f = f.transpose(0, 1)
+    rot = f.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos, sin = f.cos().to(t.dtype), f.sin().to(t.dtype)
+    out = t_rot * cos + _rotate_half(t_rot) * sin
+    return torch.cat([out, t_pass], dim=-1) if t_pass.shape[-1] else out

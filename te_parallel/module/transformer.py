@@ -1,0 +1,134 @@
+"""te.TransformerLayer: attention (+ cross attention) and MLP blocks with residuals, GPT/BERT/T5 styles."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from te_parallel.module.layernorm import LayerNorm, RMSNorm
+from te_parallel.module.layernorm_mlp import LayerNormMLP
+from te_parallel.module.multi_head_attention import MultiheadAttention, head_dim
+from te_parallel.module.parallel_mixin import resolve_tp_size
+from te_parallel.ops.attention import check_mask_type
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a sample's whole residual branch with probability p (batch dim given)."""
+
+    def __init__(self, p: float, batch_dim: int) -> None:
+        super().__init__()
+        self.p, self.batch_dim = p, batch_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        shape = [1] * x.dim()
+        shape[self.batch_dim] = x.shape[self.batch_dim]
+        keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class TransformerLayer(nn.Module):
+    """One transformer block with TE's arguments.
+
+    Pre-LN by default (GPT). BERT: apply_residual_connection_post_layernorm=True, output_layernorm=True
+    (the attention then has no input norm, the MLP's norm output is its residual, a final norm
+    follows). T5 decoder: layer_type="decoder" adds cross attention over encoder_output.
+    With set_parallel_mode and a TP group: QKV/FC1 column-parallel, PROJ/FC2 row-parallel; with
+    sequence_parallel, hidden_states is [s/tp, b, h] and so is the output.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                 num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
+                 attention_dropout: float = 0.1, init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None, layer_number: Optional[int] = None,
+                 kv_channels: Optional[int] = None, self_attn_mask_type: str = "causal", window_size=None,
+                 enc_dec_attn_mask_type: str = "no_mask", tp_group=None, tp_size: int = 1, params_dtype=None,
+                 get_rng_state_tracker=None, fuse_wgrad_accumulation: bool = False, seq_length: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None, sequence_parallel: bool = False,
+                 apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
+                 layer_type: str = "encoder", drop_path_rate: float = 0.0, set_parallel_mode: bool = False,
+                 fuse_qkv_params: bool = False, zero_centered_gamma: bool = False, qkv_weight_interleaved: bool = True,
+                 ub_tp_comm_overlap: bool = False, bias: bool = True, activation: str = "gelu",
+                 normalization: str = "LayerNorm", device=None, attn_input_format: str = "sbhd",
+                 attention_backend: str = "auto") -> None:
+        super().__init__()
+        owner = "TransformerLayer"
+        if layer_type not in ("encoder", "decoder"):
+            raise ValueError(f"{owner}: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
+        check_mask_type(owner, self_attn_mask_type)
+        check_mask_type(owner, enc_dec_attn_mask_type)
+        if ub_tp_comm_overlap:
+            raise NotImplementedError(f"{owner}: ub_tp_comm_overlap=True (comm-GEMM overlap) is not implemented in this version")
+        self.tp_size = resolve_tp_size(owner, tp_group, tp_size)
+        head_dim(owner, hidden_size, num_attention_heads, kv_channels)
+        self.layer_type, self.self_attn_mask_type = layer_type, self_attn_mask_type
+        self.enc_dec_attn_mask_type, self.window_size = enc_dec_attn_mask_type, window_size
+        self.residual_post_ln, self.output_layernorm = apply_residual_connection_post_layernorm, output_layernorm
+        self.hidden_dropout, self.sequence_parallel = hidden_dropout, sequence_parallel
+        self.get_rng_state_tracker, self.attn_input_format = get_rng_state_tracker, attn_input_format
+        common = dict(tp_group=tp_group, tp_size=self.tp_size, params_dtype=params_dtype, device=device,
+                      get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, set_parallel_mode=set_parallel_mode,
+                      zero_centered_gamma=zero_centered_gamma, bias=bias, init_method=init_method,
+                      output_layer_init_method=output_layer_init_method)
+        attn = dict(kv_channels=kv_channels, attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
+                    layer_number=layer_number, num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
+                    qkv_weight_interleaved=qkv_weight_interleaved, normalization=normalization,
+                    qkv_format=attn_input_format, return_bias=True, attention_backend=attention_backend, **common)
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
+            input_layernorm=not output_layernorm, attention_type="self",
+            return_layernorm_output=apply_residual_connection_post_layernorm, **attn)
+        if layer_type == "decoder":
+            self.inter_attention = MultiheadAttention(
+                hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type, input_layernorm=True,
+                attention_type="cross", return_layernorm_output=apply_residual_connection_post_layernorm, **attn)
+        common.pop("output_layer_init_method")
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, normalization=normalization,
+            return_bias=True, return_layernorm_output=apply_residual_connection_post_layernorm,
+            output_layer_init_method=output_layer_init_method, **common)
+        if output_layernorm:
+            norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
+            self.layernorm = norm(hidden_size, eps=layernorm_epsilon, sequence_parallel=sequence_parallel,
+                                  params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device,
+                                  tp_group=tp_group if self.tp_size > 1 else None)
+        self.drop_path = DropPath(drop_path_rate, batch_dim=1 if attn_input_format == "sbhd" else 0)
+
+    def _bias_dropout_add(self, out, bias, residual):
+        """residual + drop_path(dropout(out + bias)). Under SP the activations are sequence shards,
+        so the dropout draws from the tracker's model-parallel stream (a different mask per rank)."""
+        if bias is not None:
+            out = out + bias
+        ctx = contextlib.nullcontext()
+        if self.sequence_parallel and self.training and self.hidden_dropout > 0 and self.get_rng_state_tracker:
+            ctx = self.get_rng_state_tracker().fork()
+        with ctx:
+            out = F.dropout(out, p=self.hidden_dropout, training=self.training)
+        return residual + self.drop_path(out)
+
+    def _block(self, module, x, **kw):
+        outputs = module(x, **kw)
+        if self.residual_post_ln and not (module is self.self_attention and self.output_layernorm):
+            out, bias, residual = outputs
+        else:
+            (out, bias), residual = outputs, x
+        return self._bias_dropout_add(out, bias, residual)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, self_attn_mask_type: Optional[str] = None,
+                window_size=None, encoder_output: Optional[torch.Tensor] = None, enc_dec_attn_mask=None,
+                enc_dec_attn_mask_type: Optional[str] = None, is_first_microbatch: Optional[bool] = None,
+                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None):
+        mask_type = self_attn_mask_type or self.self_attn_mask_type
+        x = self._block(self.self_attention, hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type,
+                        window_size=window_size, is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
+        if self.layer_type == "decoder":
+            x = self._block(self.inter_attention, x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                            attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type,
+                            is_first_microbatch=is_first_microbatch)
+        x = self._block(self.layernorm_mlp, x, is_first_microbatch=is_first_microbatch)
+        return self.layernorm(x) if self.output_layernorm else x
