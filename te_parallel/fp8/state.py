@@ -44,6 +44,15 @@ class FP8ScalingState(nn.Module):
         # Host mirror of update_count, so that `interval` needs no device read per step.
         self._count_host = [0, 0]
 
+    def _apply(self, fn, recurse=True):
+        """`module.to(dtype)` / `.half()` must not touch the scaling state: amaxes and scales stay fp32."""
+        super()._apply(fn, recurse)
+        for name in _KEYS:
+            t = getattr(self, name)
+            if t.dtype != torch.float32:
+                setattr(self, name, t.to(torch.float32))
+        return self
+
     # slots -------------------------------------------------------------------------------
     @staticmethod
     def input_slot(gemm: int) -> int:

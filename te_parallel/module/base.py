@@ -71,6 +71,11 @@ class FP8Module(nn.Module):
         self.fp8_state = FP8ScalingState(num_gemms, device=device)
         self._weight_cache: Dict[int, Tuple[tuple, Float8Tensor]] = {}
 
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype now (after any `.to(dtype)`), TE's activation dtype outside torch.autocast."""
+        return next(self.parameters()).dtype
+
     def drop_fp8_weight_cache(self) -> None:
         self._weight_cache.clear()
 

@@ -106,7 +106,7 @@ class LayerNormLinear(FP8Module, TensorParallelMixin):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormLinear", inp, self.in_features)
-        dtype = activation_dtype(self.params_dtype, inp.device)
+        dtype = activation_dtype(self.param_dtype, inp.device)
         par = self._linear_parallel(self.parallel_mode, inp)
         ln_out = norm_forward(self, inp.to(dtype))
         out, bias = linear_forward(self, self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),

@@ -81,7 +81,7 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormMLP", inp, self.hidden_size)
-        dtype = activation_dtype(self.params_dtype, inp.device)
+        dtype = activation_dtype(self.param_dtype, inp.device)
         frame = self._fp8_frame()
         fc1_par = self._linear_parallel("column" if self.set_parallel_mode else None, inp)
         fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp)

@@ -122,7 +122,7 @@ class Linear(FP8Module, TensorParallelMixin):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("Linear", inp, self.in_features)
-        dtype = activation_dtype(self.params_dtype, inp.device)
+        dtype = activation_dtype(self.param_dtype, inp.device)
         par = self._linear_parallel(self.parallel_mode, inp)
         out, bias = linear_forward(self, self._params, 0, inp.to(dtype), is_first_microbatch,
                                    self._fp8_frame(), add_bias=not self.return_bias, par=par)
