@@ -5,6 +5,7 @@
 """
 from te_parallel import _native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
+from te_parallel.fp8.recompute import checkpoint
 from te_parallel.module import (
     DotProductAttention,
     LayerNorm,
@@ -35,6 +36,7 @@ __all__ = [
     "RotaryPositionEmbedding",
     "apply_rotary_pos_emb",
     "CudaRNGStatesTracker",
+    "checkpoint",
     "fp8_autocast",
     "is_fp8_available",
     "Float8Tensor",

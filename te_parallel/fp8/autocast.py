@@ -62,6 +62,7 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: List[FP8Frame] = []
         self.fwd = _PendingUpdates()
+        self.checkpoint = None  # te_parallel.fp8.recompute: a stash being recorded or replayed
 
 
 _TLS = _ThreadState()
@@ -74,6 +75,24 @@ _BWD_QUEUED = [False]
 def current_frame() -> Optional[FP8Frame]:
     """The innermost active region, or None outside any `fp8_autocast`."""
     return _TLS.frames[-1] if _TLS.frames else None
+
+
+def checkpoint_stash():
+    """The activation-checkpoint stash of this thread (recording or replaying), or None."""
+    return _TLS.checkpoint
+
+
+def set_checkpoint_stash(stash) -> None:
+    _TLS.checkpoint = stash
+
+
+def push_frame(frame: FP8Frame) -> None:
+    """Re-enter a region without its exit update (recompute replays an earlier forward)."""
+    _TLS.frames.append(frame)
+
+
+def pop_frame() -> None:
+    _TLS.frames.pop()
 
 
 def record_forward(state: FP8ScalingState, recipe: DelayedScaling, group) -> None:

@@ -100,6 +100,9 @@ class FP8Module(nn.Module):
         """The FP8 plan of GEMM number `gemm` this call (None outside FP8 / calibration)."""
         if frame is None:
             return None
+        stash = _autocast.checkpoint_stash()
+        if stash is not None and stash.replaying:
+            return stash.replay(self, gemm, frame, self._fp8_group(frame))
         if frame.enabled and weight.dtype == torch.float64:
             raise TypeError(f"{type(self).__name__}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64")
         recipe, group = frame.recipe, self._fp8_group(frame)
@@ -111,6 +114,8 @@ class FP8Module(nn.Module):
             cfg.weight = self._cached_weight(cfg, params, weight, is_first_microbatch, weight_amax_group)
         else:
             cfg.record_weight_amax(weight)
+        if stash is not None:
+            stash.record(cfg)
         return cfg
 
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:

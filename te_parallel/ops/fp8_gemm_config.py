@@ -26,6 +26,8 @@ class GemmFP8:
     weight: Optional[Float8Tensor]      # the quantized weight (None while only calibrating)
     compute: bool                       # False: calibrating, record amaxes but multiply in high precision
     group: Optional[dist.ProcessGroup]  # amaxes are all-reduced over it
+    fwd_scale: Optional[torch.Tensor] = None  # recompute: the forward scales of the original pass
+    record: bool = True                 # recompute: amaxes were recorded by the original pass
 
     @property
     def delayed(self) -> bool:
@@ -49,8 +51,9 @@ class GemmFP8:
                 amax = amax_of(x)
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
             return quantize_current(x, dtype, amax=amax, transpose=transpose)
-        scale = self.state.tensors(backward)[1][slot]
-        return quantize(x, scale, dtype, amax_out=self._amax_cell(slot, backward), transpose=transpose)
+        scales = self.fwd_scale if (self.fwd_scale is not None and not backward) else self.state.tensors(backward)[1]
+        amax_out = self._amax_cell(slot, backward) if (self.record or backward) else None
+        return quantize(x, scales[slot], dtype, amax_out=amax_out, transpose=transpose)
 
     def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
         """The weight W [N, K] (a shard under TP); its transpose is made when dgrad first needs it."""
@@ -75,7 +78,7 @@ class GemmFP8:
             self.on_backward()
 
     def _record(self, x: torch.Tensor, slot: int, backward: bool) -> None:
-        if self.delayed:
+        if self.delayed and (self.record or backward):
             cell = self._amax_cell(slot, backward)
             torch.maximum(cell, amax_of(x).view(1), out=cell)
 

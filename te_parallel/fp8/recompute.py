@@ -1,0 +1,85 @@
+"""te.checkpoint: activation recompute that replays the original forward bit for bit.
+
+Recompute runs during backward, after the outermost fp8_autocast has exited and updated the
+delayed scales, outside any autocast region, and after dropout RNG streams moved on. To replay the
+original forward exactly, the original pass records, per FP8 GEMM in call order, the forward
+scales it used and its quantized weight; the recompute re-enters the same autocast region (without
+its exit update), quantizes with those scales, records no amax a second time, and restores the
+RNG tracker's states (torch.utils.checkpoint restores the default CPU/CUDA generators itself).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+import torch.utils.checkpoint
+
+from te_parallel.fp8 import autocast as _autocast
+from te_parallel.ops.fp8_gemm_config import GemmFP8
+
+
+class _Stash:
+    def __init__(self, frame: Optional[_autocast.FP8Frame], tracker) -> None:
+        self.frame, self.tracker = frame, tracker
+        self.tracker_states = None if tracker is None else {k: v.clone() for k, v in tracker.get_states().items()}
+        self.entries: deque = deque()
+        self.replaying = False
+
+    def record(self, cfg: GemmFP8) -> None:
+        scale = cfg.state.fwd_scale.clone() if cfg.delayed else None
+        self.entries.append((scale, cfg.weight))
+
+    def replay(self, module, gemm: int, frame, group) -> GemmFP8:
+        scale, weight = self.entries.popleft()
+        return GemmFP8(frame.recipe, module.fp8_state, gemm, weight, frame.enabled, group, fwd_scale=scale, record=False)
+
+    @contextlib.contextmanager
+    def recording(self):
+        prev = _autocast.checkpoint_stash()
+        _autocast.set_checkpoint_stash(self)
+        try:
+            yield
+        finally:
+            _autocast.set_checkpoint_stash(prev)
+
+    @contextlib.contextmanager
+    def replay_context(self):
+        prev = _autocast.checkpoint_stash()
+        self.replaying = True
+        _autocast.set_checkpoint_stash(self)
+        if self.frame is not None:
+            _autocast.push_frame(self.frame)
+        saved_tracker = None
+        if self.tracker is not None:
+            saved_tracker = self.tracker.get_states()
+            self.tracker.set_states({k: v.clone() for k, v in self.tracker_states.items()})
+        try:
+            yield
+        finally:
+            if self.tracker is not None:
+                self.tracker.set_states(saved_tracker)
+            if self.frame is not None:
+                _autocast.pop_frame()
+            _autocast.set_checkpoint_stash(prev)
+            self.replaying = False
+
+
+def checkpoint(function: Callable, *args, distribute_saved_activations: bool = False,
+               get_rng_state_tracker: Optional[Callable] = None, tp_group=None, use_reentrant: bool = True,
+               **kwargs) -> Any:
+    """Run function(*args, **kwargs) without keeping its activations; recompute them in backward.
+
+    TE's signature. The recompute is bit-identical to the original forward (FP8 scales, quantized
+    weights, dropout masks of the default generators and of the tracker). te_parallel always uses
+    PyTorch's non-reentrant checkpoint (it supports keyword arguments and inputs without grad);
+    `use_reentrant` is accepted for compatibility. distribute_saved_activations is not supported.
+    """
+    if distribute_saved_activations:
+        raise NotImplementedError("te.checkpoint: distribute_saved_activations=True is not implemented; pass False")
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    stash = _Stash(_autocast.current_frame(), tracker)
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=lambda: (stash.recording(), stash.replay_context()), **kwargs)
