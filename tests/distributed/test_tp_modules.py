@@ -7,6 +7,7 @@ import te_parallel as te
 from te_parallel import recipe as R
 from tests.distributed.harness import Checks, spawn
 from tests.distributed.tp_cases import all_cases, run_case
+from tests.distributed.tp_transformer_cases import run_transformer_case
 
 
 def _suite(rank, world, device):
@@ -14,6 +15,9 @@ def _suite(rank, world, device):
     checks = Checks(rank)
     for case in all_cases():
         checks.run(str(case), run_case, case, rank, world, group, device)
+    for sp in (False, True):
+        for rec in ("off", "delayed", "current"):
+            checks.run(f"TransformerLayer sp={sp} fp8={rec}", run_transformer_case, sp, rec, rank, world, group, device)
     checks.run("amax outlier on one rank", _outlier, rank, world, group, device)
     checks.run("bad input", _bad_input, rank, world, group, device)
     checks.run("FP8 gather == high-precision gather then cast", _gather_paths_agree, rank, world, group, device)

@@ -1,0 +1,62 @@
+"""TransformerLayer (GPT, causal) with TP (+SP) vs the same layer in one process, from unsharded weights."""
+from __future__ import annotations
+
+import torch
+
+import te_parallel as te
+from te_parallel import recipe as R
+from tests.distributed.tp_cases import _state_identical_on_all_ranks
+from tests.reference import fp8_chain_tol, rel_err
+
+S, B, HID, FFN, HEADS = 16, 2, 64, 128, 4
+COLUMN = ("query_weight", "query_bias", "key_weight", "key_bias", "value_weight", "value_bias", "fc1_weight", "fc1_bias")
+ROW = ("proj.weight", "fc2_weight")
+
+
+def _shard(name: str, full: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    if name.endswith(COLUMN):
+        return full.chunk(tp, 0)[r]
+    if name.endswith(ROW):
+        return full.chunk(tp, 1)[r]
+    return full  # norms, proj / fc2 biases: replicated
+
+
+def run_transformer_case(sp: bool, recipe_name: str, r: int, tp: int, group, device) -> None:
+    recipe = {"off": None, "delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}[recipe_name]
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, device=device, init_method=lambda w: torch.nn.init.normal_(w, 0, 0.05))
+    torch.manual_seed(3)
+    ref = te.TransformerLayer(HID, FFN, HEADS, **kw)
+    mod = te.TransformerLayer(HID, FFN, HEADS, tp_group=group, set_parallel_mode=True, sequence_parallel=sp, **kw)
+    full = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in mod.named_parameters():
+            p.copy_(_shard(n, full[n], r, tp))
+    seq = (lambda t: t.chunk(tp, 0)[r]) if sp else (lambda t: t)
+    tol = 1e-5 if recipe is None else fp8_chain_tol(device)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 + step)
+        x = torch.randn(S, B, HID, generator=g).to(device)
+        dy = torch.randn(S, B, HID, generator=g).to(device)
+        xr, xt = x.clone().requires_grad_(True), seq(x).clone().requires_grad_(True)
+        with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            yr, yt = ref(xr), mod(xt)
+        yr.backward(dy)
+        yt.backward(seq(dy))
+        checks = [("output", yt, seq(yr)), ("input grad", xt.grad, seq(xr.grad))]
+        checks += [(f"grad {n}", p.grad, _shard(n, full[n].grad, r, tp)) for n, p in mod.named_parameters()]
+        for what, got, want in checks:
+            assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            if what.endswith("key_bias"):  # zero in exact arithmetic (softmax ignores a per-query shift): rounding only
+                assert got.norm() < 1e-5 and want.norm() < 1e-5, f"{what}: {got.norm():.1e}, {want.norm():.1e} should be ~0"
+                continue
+            err = rel_err(got.cpu(), want.cpu())
+            assert err < tol, f"step {step} {what}: relative error {err:.2e} >= {tol:.0e}"
+        if recipe is not None:
+            for m in mod.modules():
+                if hasattr(m, "fp8_state"):
+                    _state_identical_on_all_ranks(m, group)
+        with torch.no_grad():
+            for m in (ref, mod):
+                for p in m.parameters():
+                    p.mul_(1.01)
+                m.zero_grad(set_to_none=True)
