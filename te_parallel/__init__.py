@@ -6,6 +6,7 @@
 from te_parallel import _native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
 from te_parallel.fp8.recompute import checkpoint
+from te_parallel.graph import make_graphed_callables
 from te_parallel.module import (
     DotProductAttention,
     LayerNorm,
@@ -37,6 +38,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "make_graphed_callables",
     "fp8_autocast",
     "is_fp8_available",
     "Float8Tensor",

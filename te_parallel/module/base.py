@@ -70,6 +70,7 @@ class FP8Module(nn.Module):
         super().__init__()
         self.fp8_state = FP8ScalingState(num_gemms, device=device)
         self._weight_cache: Dict[int, Tuple[tuple, Float8Tensor]] = {}
+        self._always_recast = False  # set while a CUDA graph is captured (te_parallel.graph)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -121,7 +122,7 @@ class FP8Module(nn.Module):
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
         fmt = cfg.recipe.fp8_format
         key = (tuple((p._version, p.data_ptr()) for p in params), fmt.fwd_dtype, cfg.recipe.delayed())
-        hit = self._weight_cache.get(cfg.gemm)
+        hit = None if self._always_recast else self._weight_cache.get(cfg.gemm)
         if hit is not None and hit[0][1:] == key[1:]:
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]

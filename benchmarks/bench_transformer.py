@@ -1,0 +1,92 @@
+"""Seed TransformerLayer fwd+bwd: plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (+ CUDA graph).
+
+    python benchmarks/bench_transformer.py [--hidden 4096 --ffn 16384 --heads 32 --seq 2048 --batch 4] [--json out.json]
+
+Same run, same GPU, bf16 parameters, dropout 0.1 (the seed's settings), causal attention.
+Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd, minus the memory held before it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import te_parallel as te  # noqa: E402
+from common import report, time_cuda  # noqa: E402
+from te_parallel import recipe  # noqa: E402
+
+
+class TorchLayer(torch.nn.Module):
+    """The seed's plain-PyTorch GPT layer, attention through SDPA (flash)."""
+
+    def __init__(self, h: int, ffn: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, ffn), torch.nn.Linear(ffn, h)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, self.heads, 3, h // self.heads).unbind(3)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
+        x = x + F.dropout(self.proj(a), 0.1)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")), 0.1)
+
+
+def measure(name, step, rows, base=None):
+    ms = time_cuda(step, warmup=5, iters=20)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+    rows.append({"case": name, "ms": ms, "peak_GiB": peak, "speedup_vs_torch": (base or ms) / ms})
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for k, v in dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4).items():
+        ap.add_argument(f"--{k}", type=int, default=v)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dt = torch.bfloat16
+    x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+    fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    rows = []
+
+    def stepper(mod, fp8_recipe=None):
+        def step():
+            if fp8_recipe is not None:
+                for m in mod.modules():
+                    if hasattr(m, "drop_fp8_weight_cache"):
+                        m.drop_fp8_weight_cache()  # training: weights change every step
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                y = mod(x)
+            y.backward(dy)
+        return step
+
+    base = measure("torch bf16 + SDPA", stepper(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt)), rows)
+    layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, params_dtype=dt, device="cuda")
+    measure("te bf16", stepper(layer), rows, base)
+    measure("te FP8 delayed", stepper(layer, fp8), rows, base)
+    measure("te FP8 current", stepper(layer, recipe.Float8CurrentScaling()), rows, base)
+    graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
+
+    def graph_step():
+        graphed(x).backward(dy)
+    measure("te FP8 delayed, CUDA graph", graph_step, rows, base)
+    shape = f"h{a.hidden} ffn{a.ffn} heads{a.heads} s{a.seq} b{a.batch}"
+    report(f"TransformerLayer fwd+bwd ({shape}, bf16 params)", rows, ["case", "ms", "peak_GiB", "speedup_vs_torch"], a.json)
+
+
+if __name__ == "__main__":
+    main()
