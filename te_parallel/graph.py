@@ -8,6 +8,7 @@ in the autograd engine's final callback, inside the captured `torch.autograd.gra
 therefore keep delayed scaling alive with no Python on the path.
 
 Limits: call the graphed callables outside any fp8_autocast (they carry their own region);
+clear gradients with `zero_grad(set_to_none=True)` (p.grad may be the graph's static output buffer);
 DelayedScaling(interval=1) only (a replay cannot count steps on the host); the shapes, dtypes and
 devices of the sample arguments are fixed, as with any CUDA graph.
 """

@@ -67,7 +67,7 @@ class MultiheadAttention(nn.Module):
                   return_layernorm_output=return_layernorm_output)
         self._build_projections(hidden_size, attention_type, input_layernorm, col, init_method, common, ln)
         self.proj = Linear(self.hidden_q, hidden_size, init_method=output_layer_init_method or init_method,
-                           parallel_mode="row" if set_parallel_mode else None, return_bias=True, **common)
+                           parallel_mode="row" if set_parallel_mode else None, return_bias=return_bias, **common)
 
     def _build_projections(self, hidden, attention_type, input_layernorm, col, init, common, ln) -> None:
         def make(out, split, prefix_norm: bool, name: str):
@@ -131,8 +131,6 @@ class MultiheadAttention(nn.Module):
             q = apply_rotary_pos_emb(q, q_emb, self.qkv_format)
             k = apply_rotary_pos_emb(k, k_emb, self.qkv_format)
         context = self.core_attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type, window_size=window_size)
-        out, bias = self.proj(context, is_first_microbatch=is_first_microbatch)
-        if not self.return_bias:
-            out = out + bias if bias is not None else out
-            bias = None
+        out = self.proj(context, is_first_microbatch=is_first_microbatch)  # bias in the GEMM unless returned
+        out, bias = out if self.return_bias else (out, None)
         return pack_outputs(out, bias, ln_out, self.return_bias, self.input_layernorm and self.return_layernorm_output)

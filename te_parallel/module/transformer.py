@@ -78,7 +78,7 @@ class TransformerLayer(nn.Module):
         attn = dict(kv_channels=kv_channels, attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
                     layer_number=layer_number, num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
                     qkv_weight_interleaved=qkv_weight_interleaved, normalization=normalization,
-                    qkv_format=attn_input_format, return_bias=True, attention_backend=attention_backend, **common)
+                    qkv_format=attn_input_format, return_bias=False, attention_backend=attention_backend, **common)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
             input_layernorm=not output_layernorm, attention_type="self",
@@ -90,7 +90,7 @@ class TransformerLayer(nn.Module):
         common.pop("output_layer_init_method")
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, normalization=normalization,
-            return_bias=True, return_layernorm_output=apply_residual_connection_post_layernorm,
+            return_bias=False, return_layernorm_output=apply_residual_connection_post_layernorm,
             output_layer_init_method=output_layer_init_method, **common)
         if output_layernorm:
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
@@ -99,11 +99,10 @@ class TransformerLayer(nn.Module):
                                   tp_group=tp_group if self.tp_size > 1 else None)
         self.drop_path = DropPath(drop_path_rate, batch_dim=1 if attn_input_format == "sbhd" else 0)
 
-    def _bias_dropout_add(self, out, bias, residual):
-        """residual + drop_path(dropout(out + bias)). Under SP the activations are sequence shards,
-        so the dropout draws from the tracker's model-parallel stream (a different mask per rank)."""
-        if bias is not None:
-            out = out + bias
+    def _dropout_add(self, out, residual):
+        """residual + drop_path(dropout(out)); the projections add their bias in the GEMM epilogue.
+        Under SP the activations are sequence shards, so the dropout draws from the tracker's
+        model-parallel stream (a different mask per rank)."""
         ctx = contextlib.nullcontext()
         if self.sequence_parallel and self.training and self.hidden_dropout > 0 and self.get_rng_state_tracker:
             ctx = self.get_rng_state_tracker().fork()
@@ -114,10 +113,10 @@ class TransformerLayer(nn.Module):
     def _block(self, module, x, **kw):
         outputs = module(x, **kw)
         if self.residual_post_ln and not (module is self.self_attention and self.output_layernorm):
-            out, bias, residual = outputs
+            out, residual = outputs
         else:
-            (out, bias), residual = outputs, x
-        return self._bias_dropout_add(out, bias, residual)
+            out, residual = outputs, x
+        return self._dropout_add(out, residual)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, self_attn_mask_type: Optional[str] = None,
                 window_size=None, encoder_output: Optional[torch.Tensor] = None, enc_dec_attn_mask=None,

@@ -40,8 +40,10 @@ def test_graphed_fp8_layer_matches_eager(recipe):
             assert rel_err(pg.grad, pe.grad) < 1e-5, f"step {step} grad {n}"
         opt_e.step()
         opt_g.step()
-        opt_e.zero_grad(set_to_none=False)
-        opt_g.zero_grad(set_to_none=False)
+        # set_to_none: autograd hands the graph's static grad buffers to p.grad; zeroing them in place
+        # would make the next replay accumulate onto its own output (torch's graphed-callables rule).
+        opt_e.zero_grad(set_to_none=True)
+        opt_g.zero_grad(set_to_none=True)
     for (k, a), b in zip(eager.state_dict().items(), graphed_layer.state_dict().values()):
         if "fp8_state" in k and "update_count" not in k:
             assert rel_err(b.float(), a.float()) < 1e-6, k  # scales and histories kept updating in the replays
