@@ -22,6 +22,9 @@ import torch.distributed as dist
 from te_parallel.parallel.groups import check_scatter_dim, group_size
 
 Handle = Optional[dist.Work]
+# torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple[torch.Tensor, Handle]:
@@ -32,9 +35,9 @@ def all_gather_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple[tor
         return t, None
     out = torch.empty((tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        handle = dist.all_gather_into_tensor(out.view(torch.uint8), t.view(torch.uint8), group=group, async_op=async_op)
+        handle = _all_gather(out.view(torch.uint8), t.view(torch.uint8), group=group, async_op=async_op)
     else:
-        handle = dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+        handle = _all_gather(out, t, group=group, async_op=async_op)
     return out, handle
 
 
@@ -46,7 +49,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple
     check_scatter_dim("reduce_scatter", t.shape[0], tp)
     t = t.contiguous()
     out = torch.empty((t.shape[0] // tp, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    handle = dist.reduce_scatter_tensor(out, t, group=group, async_op=async_op)
+    handle = _reduce_scatter(out, t, group=group, async_op=async_op)
     return out, handle
 
 

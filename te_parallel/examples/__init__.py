@@ -1,0 +1,1 @@
+"""End-to-end examples shipped with the package (console command: te-parallel-train-gpt)."""

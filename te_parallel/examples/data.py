@@ -1,0 +1,59 @@
+"""Training text that exists on every machine: the source files of Python's standard library, as bytes.
+
+Byte-level tokens (vocabulary 256). The corpus is the sorted stdlib *.py files concatenated up to
+`max_bytes`; the last `val_fraction` of it is the held-out validation split (fixed, never trained on).
+Training windows are drawn at random offsets from a torch.Generator that the checkpoint saves, so a
+resumed run sees exactly the batches the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Tuple
+
+import torch
+
+VOCAB = 256
+
+
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total < 1 << 16:
+        raise RuntimeError(f"found only {total} bytes of Python sources under {root}; need at least 64 KiB of text")
+    blob = b"".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int64)
+
+
+class ByteData:
+    def __init__(self, max_bytes: int, seq_len: int, val_fraction: float = 0.05) -> None:
+        tokens = load_corpus(max_bytes)
+        split = int(len(tokens) * (1 - val_fraction))
+        self.train, self.val, self.seq_len = tokens[:split], tokens[split:], seq_len
+
+    def batch(self, gen: torch.Generator, batch: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: ids and next-byte targets, both [seq, batch] (the layers' "sbhd" layout)."""
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch,), generator=gen)
+        return self._windows(self.train, starts, device)
+
+    def val_batches(self, n: int, batch: int, device):
+        """n fixed validation batches, evenly spaced over the held-out split."""
+        span = len(self.val) - self.seq_len - 1
+        starts = torch.linspace(0, span, n * batch).long().view(n, batch)
+        return [self._windows(self.val, s, device) for s in starts]
+
+    def _windows(self, src: torch.Tensor, starts: torch.Tensor, device):
+        idx = starts.view(1, -1) + torch.arange(self.seq_len + 1).view(-1, 1)  # [s+1, b]
+        w = src[idx]
+        return w[:-1].to(device), w[1:].to(device)

@@ -1,0 +1,85 @@
+"""A GPT built from te.TransformerLayer with a vocabulary-parallel embedding and loss."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import te_parallel as te
+from te_parallel.parallel.groups import group_size
+from te_parallel.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 256
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    ffn: int = 512
+    seq_len: int = 128
+    dropout: float = 0.0
+
+
+class GPT(nn.Module):
+    """ids [s, b] -> mean next-token loss. Under TP the heads, FFN and vocabulary are split; under SP
+    the activations between the layers are [s/tp, b, h]. RoPE positions, pre-LN GPT layers."""
+
+    def __init__(self, cfg: GPTConfig, tp_group=None, sequence_parallel: bool = False, tracker=None, device=None) -> None:
+        super().__init__()
+        self.cfg, self.tp_group = cfg, tp_group
+        tp = group_size(tp_group)
+        sp = sequence_parallel and tp > 1
+        init = lambda w: nn.init.normal_(w, 0.0, 0.02)  # noqa: E731
+        out_init = lambda w: nn.init.normal_(w, 0.0, 0.02 / math.sqrt(2 * cfg.layers))  # noqa: E731
+        get_tracker = (lambda: tracker) if tracker is not None else None
+        self.embed = VocabParallelEmbedding(cfg.vocab, cfg.hidden, tp_group, sp, device=device)
+        self.layers = nn.ModuleList(
+            te.TransformerLayer(cfg.hidden, cfg.ffn, cfg.heads, hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
+                                init_method=init, output_layer_init_method=out_init, layer_number=i + 1,
+                                tp_group=tp_group, set_parallel_mode=True, sequence_parallel=sp,
+                                get_rng_state_tracker=get_tracker, device=device)
+            for i in range(cfg.layers))
+        self.norm = te.LayerNorm(cfg.hidden, sequence_parallel=sp, tp_group=tp_group if sp else None, device=device)
+        self.head = te.Linear(cfg.hidden, cfg.vocab, bias=False, init_method=init, tp_group=tp_group,
+                              parallel_mode="column", sequence_parallel=sp, device=device)
+        self.rope = te.RotaryPositionEmbedding(cfg.hidden // cfg.heads).to(device)
+
+    @torch.no_grad()
+    def init_like_single_rank(self, seed: int) -> None:
+        """Initialise every parameter as the TP=1 model with this seed would, then keep this rank's
+        shard: runs with different TP sizes then start from the same model (a parity gate)."""
+        tp, rank = group_size(self.tp_group), (dist.get_rank(self.tp_group) if self.tp_group is not None else 0)
+        for i, (name, p) in enumerate(self.named_parameters()):
+            dim = _shard_dim(name)
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            gen = torch.Generator().manual_seed(seed * 7919 + i)
+            if "layer_norm" in name or name.startswith("norm") or name.endswith("bias"):
+                full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("proj.weight", "fc2_weight")) else 0.02
+                full = torch.randn(shape, generator=gen) * std
+            p.copy_(full.chunk(tp, dim)[rank] if dim is not None else full)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)                              # [s(/tp), b, h]
+        freqs = self.rope(ids.shape[0])
+        for layer in self.layers:
+            x = layer(x, rotary_pos_emb=freqs)
+        logits = self.head(self.norm(x))                 # [s, b, vocab/tp]
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group).mean()
+
+
+def _shard_dim(name: str):
+    """Which dim of a parameter TP splits (None: replicated), from its name in this model."""
+    if name.startswith(("embed.", "head.")) or name.endswith(("query_weight", "key_weight", "value_weight", "query_bias",
+                                                              "key_bias", "value_bias", "fc1_weight", "fc1_bias")):
+        return 0
+    if name.endswith(("proj.weight", "fc2_weight")):
+        return 1
+    return None
