@@ -1,4 +1,4 @@
-"""Combine train_gpt logs into one loss plot and a markdown table.
+"""Combine train_gpt logs into one plot (validation loss, and its % difference to the first run) and a table.
 
     python benchmarks/plot_convergence.py OUT.png NAME=path/log.json [NAME=path/log.json ...]
 """
@@ -8,22 +8,46 @@ import json
 import sys
 from pathlib import Path
 
-from te_parallel.examples.plot import plot_runs
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _val(log):
+    return {r["step"]: r["val_loss"] for r in log if "val_loss" in r}
 
 
 def main() -> None:
     out, specs = Path(sys.argv[1]), sys.argv[2:]
     runs, rows = {}, []
     for spec in specs:
-        name, path = spec.split("=", 1)
+        name, path = spec.rsplit("=", 1)
         data = json.loads(Path(path).read_text())
-        log = data["log"]
-        runs[name] = log
-        val = [r for r in log if "val_loss" in r]
+        log = runs[name] = data["log"]
         tok = sorted(r["tokens_per_s"] for r in log[len(log) // 2:])
-        rows.append(f"| {name} | {val[-1]['step']} | {val[-1]['val_loss']:.4f} | {log[-1]['loss']:.4f} | "
-                    f"{tok[len(tok) // 2]:.0f} | {data['config'].get('gpu', data['config']['device'])} |")
-    plot_runs(runs, out, title="GPT (6 layers, h512) on Python's stdlib bytes: validation loss")
+        last = max(_val(log))
+        rows.append(f"| {name} | {last} | {_val(log)[last]:.4f} | {log[-1]['loss']:.4f} | {tok[len(tok) // 2]:.0f} | "
+                    f"{data['config'].get('gpu', data['config']['device'])} |")
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = _val(next(iter(runs.values())))
+    for i, (name, log) in enumerate(runs.items()):
+        v = _val(log)
+        ax.plot([r["step"] for r in log], [r["loss"] for r in log], color=f"C{i}", alpha=0.25, linewidth=0.7)
+        ax.plot(list(v), list(v.values()), "o-", color=f"C{i}", markersize=3, label=f"{name} (val)")
+        steps = [s for s in v if s in base]
+        rel.plot(steps, [100 * (v[s] / base[s] - 1) for s in steps], "o-", color=f"C{i}", markersize=3, label=name)
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_ylim(0.5, 3.0)
+    ax.set_title("GPT 6x512 on stdlib bytes: train (thin), validation (dots)")
+    rel.axhspan(-1, 1, color="0.9")
+    rel.set_ylabel(f"val loss vs {next(iter(runs))} (%)")
+    rel.set_xlabel("step")
+    for a in (ax, rel):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
     print("| run | steps | final val loss | final train loss | tokens/s (median) | device |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
