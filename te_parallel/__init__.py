@@ -6,6 +6,7 @@
 from te_parallel import _native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
 from te_parallel.fp8.recompute import checkpoint
+from te_parallel.convert import LLAMA_TP_PLAN, convert
 from te_parallel.graph import make_graphed_callables
 from te_parallel.module import (
     DotProductAttention,
@@ -39,6 +40,8 @@ __all__ = [
     "CudaRNGStatesTracker",
     "checkpoint",
     "make_graphed_callables",
+    "convert",
+    "LLAMA_TP_PLAN",
     "fp8_autocast",
     "is_fp8_available",
     "Float8Tensor",
