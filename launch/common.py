@@ -59,6 +59,8 @@ def init_distributed(backend: Optional[str] = None,
     # to create multicast objects at communicator init and fail there. It must be in the environment
     # before the first NCCL communicator exists. setdefault: a cluster that has NVLS may turn it on.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # Collectives scheduled ahead of the GEMMs they overlap; only effective if CUDA has not started yet.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     world = discover_world()
     rank, world_size, local_rank = world["rank"], world["world_size"], world["local_rank"]
     # env:// reads these; a script's own code (or a library like Megatron) may read them too.

@@ -25,9 +25,12 @@ if grep -qi "open mpi" <<<"$version"; then
   [[ "$(id -u)" -eq 0 ]] && flags+=(--allow-run-as-root)
   # Allow more ranks than cores (CI has 2 cores); don't pin each rank to one core, since torch
   # runs its own intra-op and data-loader threads; pass the NCCL setting on to remote nodes.
-  flags+=(--oversubscribe --bind-to none -x NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}")
+  flags+=(--oversubscribe --bind-to none -x NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+          -x CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}")
 fi
 # MPICH / Intel MPI (hydra) run as root and oversubscribe without flags, and pass the environment on.
+# One hardware queue per GPU: collectives are scheduled before the GEMMs they overlap (te_parallel backward).
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of words on purpose
 exec mpirun "${flags[@]}" ${MPIRUN_ARGS:-} -np "$NP" "${PYTHON:-python}" "$@"

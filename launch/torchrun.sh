@@ -16,6 +16,9 @@ if [[ $# -eq 0 ]]; then
 fi
 NPROC="${NPROC:-2}"
 NNODES="${NNODES:-1}"
+# One hardware queue per GPU, so a tensor-parallel collective is scheduled before the GEMM issued after
+# it (te_parallel's backward overlaps them); must be set before CUDA starts in the workers.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 
 # torchrun is the console script of torch.distributed.run; the module works where the script is not on PATH.
 if command -v torchrun >/dev/null 2>&1; then

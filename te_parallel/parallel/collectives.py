@@ -6,8 +6,8 @@ Shapes are per rank, tp = group size, s = sequence (dim 0, sequence parallelism 
   ReduceFromTP      fwd all-reduce                  bwd identity
   GatherFromSP      fwd all-gather  [s/tp] -> [s]   bwd reduce-scatter [s] -> [s/tp]
   ReduceScatterToSP fwd reduce-scatter [s] -> [s/tp] bwd all-gather [s/tp] -> [s]
-  AllReduceGrad     fwd identity (a parameter)      bwd all-reduce(grad): for weights applied to
-                                                    sequence-sharded activations (norm γ/β, row bias)
+  all_reduce_grad   CopyToTP applied to a parameter: weights that see sequence-sharded activations
+                    (norm γ/β, row-parallel bias) get partial gradients, summed over the group
 
 The plain helpers below (all_gather_dim0, reduce_scatter_dim0) move "a tensor" and know nothing
 of FP8; an FP8 gather moves the uint8 view of the bytes (STYLE.md 4).
@@ -106,19 +106,6 @@ class ReduceScatterToSP(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.group)[0], None
 
 
-class AllReduceGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, param, group):
-        ctx.group = group
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
-
-
 def copy_to_tp(x, group):
     return CopyToTP.apply(x, group) if group_size(group) > 1 else x
 
@@ -137,4 +124,4 @@ def reduce_scatter_to_sp(x, group):
 
 def all_reduce_grad(param, group):
     """Use `param` as is; sum its gradient over `group` (parameters that see sequence shards)."""
-    return AllReduceGrad.apply(param, group) if param is not None and group_size(group) > 1 else param
+    return CopyToTP.apply(param, group) if param is not None and group_size(group) > 1 else param
