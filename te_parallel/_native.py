@@ -18,7 +18,7 @@ from typing import NoReturn, Sequence, Tuple
 
 import torch
 
-__all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update"]
+__all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update", "cast_transpose_amax"]
 
 _ALGOS = {"max": 0, "most_recent": 1}
 
@@ -145,3 +145,35 @@ def fused_delayed_scaling_update(
         stream = torch.cuda.current_stream(device).cuda_stream
         module.delayed_scaling_update(c_states, float(fp8_max), float(scale_divisor), _ALGOS[algo],
                                       bool(update_scale), stream)
+
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+CAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                        amax_out: torch.Tensor | None, transpose: bool) -> Tuple[torch.Tensor, torch.Tensor | None]:
+    """FP8 cast of a contiguous CUDA [rows, cols] matrix in one pass: (data, data_t or None).
+
+    Bit-identical to te_parallel.ops.cast.quantize's PyTorch path (fp32 multiply by `scale`,
+    saturating round-to-nearest-even); amax_out (a 1-element fp32 CUDA tensor) receives
+    max(amax_out, max |x|) in the same pass.
+    """
+    module = load()
+    if module is None:
+        raise RuntimeError("cast_transpose_amax: te_parallel._C is absent; use the PyTorch path")
+    ok = (x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.dtype in CAST_INPUT_DTYPES and x.numel() > 0
+          and scale.is_cuda and scale.dtype == torch.float32 and scale.numel() == 1 and fp8_dtype in _DTYPES
+          and (amax_out is None or (amax_out.is_cuda and amax_out.dtype == torch.float32 and amax_out.numel() == 1)))
+    if not ok:
+        raise ValueError(f"cast_transpose_amax: got x {_describe(x)}, scale {_describe(scale)}, amax_out "
+                         f"{_describe(amax_out)}; need a contiguous non-empty 2-D fp32/fp16/bf16 CUDA x and fp32 CUDA scalars")
+    rows, cols = x.shape
+    data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty(cols, rows, dtype=fp8_dtype, device=x.device) if transpose else None
+    with torch.cuda.device(x.device):
+        module.cast_transpose_amax(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(), data.data_ptr(),
+                                   0 if data_t is None else data_t.data_ptr(),
+                                   0 if amax_out is None else amax_out.data_ptr(), _DTYPES[fp8_dtype],
+                                   torch.cuda.current_stream(x.device).cuda_stream)
+    return data, data_t

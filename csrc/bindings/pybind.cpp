@@ -66,6 +66,20 @@ void delayed_scaling_update(const std::vector<StateTuple>& states, float fp8_max
   check(status);  // same thread as the call: tep_last_error is thread-local
 }
 
+void cast_transpose_amax(std::uintptr_t x, int x_dtype, long long rows, long long cols, std::uintptr_t scale,
+                         std::uintptr_t out, std::uintptr_t out_t, std::uintptr_t amax, int out_dtype,
+                         std::uintptr_t stream) {
+  tep_status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = tep_cast_transpose_amax(reinterpret_cast<const void*>(x), x_dtype, rows, cols,
+                                     reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(out),
+                                     reinterpret_cast<void*>(out_t), reinterpret_cast<float*>(amax), out_dtype,
+                                     reinterpret_cast<void*>(stream));
+  }
+  check(status);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -81,4 +95,9 @@ PYBIND11_MODULE(_C, m) {
         "Fused delayed-scaling update of all states in one launch. states: list of "
         "(amax_history_ptr, scale_ptr, scale_inv_ptr, history_len, num_tensors); algo 0 = max "
         "over history, 1 = most recent; stream: cudaStream_t as int. Raises RuntimeError.");
+  m.def("cast_transpose_amax", &cast_transpose_amax, py::arg("x"), py::arg("x_dtype"), py::arg("rows"),
+        py::arg("cols"), py::arg("scale"), py::arg("out"), py::arg("out_t"), py::arg("amax"),
+        py::arg("out_dtype"), py::arg("stream"),
+        "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t) and amax "
+        "(pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
 }

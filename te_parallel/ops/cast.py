@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from te_parallel import _native
 from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.recipe import fp8_max
@@ -46,15 +47,24 @@ def quantize(
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
     x = x.detach()
+    scale = scale.detach().to(torch.float32).reshape(())
+    if _use_native(x):
+        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose)
+        return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t)
     if amax_out is not None:
         torch.maximum(amax_out, amax_of(x).view_as(amax_out), out=amax_out)
     limit = fp8_max(fp8_dtype)
-    scale = scale.detach().to(torch.float32).reshape(())
     data = (x.to(torch.float32) * scale).clamp_(-limit, limit).to(fp8_dtype)
     out = Float8Tensor(data=data, scale_inv=1.0 / scale)
     if transpose:
         out.transposed()
     return out
+
+
+def _use_native(x: torch.Tensor) -> bool:
+    """The one-pass CUDA kernel (cast + transpose + amax) when it is built and the input suits it."""
+    return (x.is_cuda and x.numel() > 0 and x.is_contiguous() and x.dtype in _native.CAST_INPUT_DTYPES
+            and _native.available())
 
 
 def quantize_current(

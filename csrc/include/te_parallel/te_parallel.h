@@ -69,6 +69,28 @@ TEP_API tep_status tep_delayed_scaling_update(const tep_scaling_state* states, i
                                               float fp8_max, float scale_divisor, int amax_algo,
                                               int update_scale, void* stream);
 
+/* Element types of tensors passed to the kernels. */
+typedef enum {
+  TEP_FLOAT32 = 0,
+  TEP_FLOAT16 = 1,
+  TEP_BFLOAT16 = 2,
+  TEP_FLOAT8_E4M3 = 3,
+  TEP_FLOAT8_E5M2 = 4
+} tep_dtype;
+
+/*
+ * Cast a row-major [rows, cols] matrix to FP8 in one read of the source:
+ *   out[i, j]   = fp8(float(x[i, j]) * scale[0])   round-to-nearest-even, saturating to ±fp8_max,
+ *                                                   NaN stays NaN (same bits as torch's conversion)
+ *   out_t[j, i] = out[i, j]                         if out_t != NULL (the transposed copy)
+ *   amax[0]     = max(amax[0], max |x|)             if amax != NULL (NaN propagates; amax[0] >= 0)
+ * x_dtype: TEP_FLOAT32 / FLOAT16 / BFLOAT16; out_dtype: TEP_FLOAT8_E4M3 / E5M2. Any rows, cols >= 1.
+ * Asynchronous on `stream`.
+ */
+TEP_API tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long rows, long long cols,
+                                           const float* scale, void* out, void* out_t, float* amax,
+                                           int out_dtype, void* stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,0 +1,49 @@
+"""Native one-pass FP8 cast (+transpose, +amax) vs the PyTorch path, bit for bit, on awkward shapes."""
+import pytest
+import torch
+
+from te_parallel import _native
+from te_parallel.ops.cast import quantize_reference
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+if not _native.available():
+    pytest.skip("te_parallel._C is absent (built without nvcc)", allow_module_level=True)
+
+SHAPES = [(1, 1), (1, 200), (7, 13), (63, 65), (64, 64), (129, 8), (300, 1000), (2048, 4096), (3, 4104)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cast_matches_reference(shape, dtype, fp8):
+    torch.cuda.empty_cache()
+    poison = torch.full((sum(shape) * 4096,), 0x7B, dtype=torch.uint8, device="cuda")  # reused by the outputs
+    del poison
+    x = (torch.randn(shape, device="cuda") * 40).to(dtype)
+    x.view(-1)[0] = 3e4 if dtype != torch.float16 else 6e4  # saturates
+    scale = torch.tensor(3.3, device="cuda")
+    amax = torch.tensor([0.25], device="cuda")
+    data, data_t = _native.cast_transpose_amax(x, scale, fp8, amax, transpose=True)
+    ref = quantize_reference(x.cpu(), scale.cpu(), fp8)
+    assert torch.equal(data.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data_t.cpu().view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+    assert amax.item() == max(0.25, x.float().abs().max().item())
+    data2, none = _native.cast_transpose_amax(x, scale, fp8, None, transpose=False)
+    assert none is None and torch.equal(data2.view(torch.uint8), data.view(torch.uint8))
+
+
+def test_amax_propagates_nan_and_keeps_larger_previous():
+    x = torch.randn(33, 70, device="cuda", dtype=torch.bfloat16)
+    amax = torch.tensor([1e6], device="cuda")
+    _native.cast_transpose_amax(x, torch.tensor(1.0, device="cuda"), torch.float8_e4m3fn, amax, transpose=False)
+    assert amax.item() == 1e6
+    x[5, 7] = float("nan")
+    data, _ = _native.cast_transpose_amax(x, torch.tensor(1.0, device="cuda"), torch.float8_e4m3fn, amax, transpose=False)
+    assert torch.isnan(amax).item() and torch.isnan(data[5, 7].float()).item()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="need a contiguous non-empty 2-D"):
+        _native.cast_transpose_amax(torch.randn(4, 4, device="cuda").t(), torch.tensor(1.0, device="cuda"),
+                                    torch.float8_e4m3fn, None, transpose=False)
