@@ -19,6 +19,7 @@ def _suite(rank, world, device):
         for rec in ("off", "delayed", "current"):
             checks.run(f"TransformerLayer sp={sp} fp8={rec}", run_transformer_case, sp, rec, rank, world, group, device)
     checks.run("amax outlier on one rank", _outlier, rank, world, group, device)
+    checks.run("standalone norms under SP + gathered ln_out", _norms_sp, rank, world, group, device)
     checks.run("bad input", _bad_input, rank, world, group, device)
     checks.run("FP8 gather == high-precision gather then cast", _gather_paths_agree, rank, world, group, device)
     checks.raise_if_failed()
@@ -35,6 +36,25 @@ def _outlier(rank, world, group, device):
     y.sum().backward()
     scale = m.fp8_state.fwd_scale[0].item()
     assert scale == pytest.approx(448.0 / 1000.0), f"rank {rank}: input scale {scale}, want 448/1000"
+
+
+def _norms_sp(rank, world, group, device):
+    """te.LayerNorm / RMSNorm with sequence_parallel and a tp_group: γ/β grads summed over the ranks;
+    LayerNormLinear(return_layernorm_output_gathered) returns the full-sequence norm output."""
+    x = torch.randn(8 * world, 2, 32, generator=torch.Generator().manual_seed(0)).to(device)
+    for cls in (te.LayerNorm, te.RMSNorm):
+        ref, sp = cls(32, device=device), cls(32, sequence_parallel=True, tp_group=group, device=device)
+        with torch.no_grad():
+            ref.weight.normal_()
+            sp.weight.copy_(ref.weight)
+        ref(x).pow(2).sum().backward()
+        sp(x.chunk(world, 0)[rank]).pow(2).sum().backward()
+        assert torch.allclose(sp.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5), cls.__name__
+        assert sp.weight.sequence_parallel
+    m = te.LayerNormLinear(32, 64, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device,
+                           return_layernorm_output=True, return_layernorm_output_gathered=True)
+    out, ln_out = m(x.chunk(world, 0)[rank])
+    assert ln_out.shape == x.shape and out.shape == (x.shape[0], 2, 64 // world)
 
 
 def _gather_paths_agree(rank, world, group, device):
