@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings.h"
 #include "te_parallel/te_parallel.h"
 
 #ifndef TEP_BUILT_ARCHS
@@ -21,11 +22,17 @@
 
 namespace py = pybind11;
 
-namespace {
+namespace tep_bindings {
 
 void check(tep_status status) {
   if (status != TEP_SUCCESS) throw std::runtime_error(tep_last_error());
 }
+
+}  // namespace tep_bindings
+
+namespace {
+
+using tep_bindings::check;
 
 // "89;90;100" (the build's TE_PARALLEL_CUDA_ARCHS, normalised) -> ["89", "90", "100"].
 std::vector<std::string> built_archs() {
@@ -100,4 +107,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_dtype"), py::arg("stream"),
         "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t) and amax "
         "(pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
+  // Each kernel family binds itself from its own file (csrc/bindings/<family>.cpp).
+  tep_bindings::bind_norm(m);
+  tep_bindings::bind_activation(m);
+  tep_bindings::bind_comm_overlap(m);
 }

@@ -1,0 +1,18 @@
+// Shared by the binding files of te_parallel._C: each kernel family registers its functions from its
+// own csrc/bindings/<family>.cpp through one bind_<family>(module) call made by pybind.cpp.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include "te_parallel/te_parallel.h"
+
+namespace tep_bindings {
+
+// Throws RuntimeError(tep_last_error()) unless status is TEP_SUCCESS (call on the failing thread).
+void check(tep_status status);
+
+void bind_norm(pybind11::module_& m);        // norm.cpp: LayerNorm / RMSNorm kernels
+void bind_activation(pybind11::module_& m);  // activation.cpp: bias + activation kernels
+void bind_comm_overlap(pybind11::module_& m);  // comm_overlap.cpp: csrc/comm_gemm_overlap
+
+}  // namespace tep_bindings
