@@ -20,6 +20,7 @@ from te_parallel.module import (
     TransformerLayer,
     apply_rotary_pos_emb,
 )
+from te_parallel.parallel.overlap import CommOverlap, initialize_ub
 from te_parallel.parallel.random import CudaRNGStatesTracker
 
 __version__ = "0.1.0"
@@ -38,6 +39,8 @@ __all__ = [
     "RotaryPositionEmbedding",
     "apply_rotary_pos_emb",
     "CudaRNGStatesTracker",
+    "initialize_ub",
+    "CommOverlap",
     "checkpoint",
     "make_graphed_callables",
     "convert",

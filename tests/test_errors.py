@@ -66,7 +66,7 @@ def test_wrong_dtype(device):
     (dict(in_features=16, out_features=16, tp_size=3, parallel_mode="column"), "out_features=16 is not divisible by tp_size=3"),
     (dict(in_features=16, out_features=16, tp_size=3, parallel_mode="row"), "in_features=16 is not divisible by tp_size=3"),
     (dict(in_features=16, out_features=16, tp_size=0), "tp_size must be a positive int, got 0"),
-    (dict(in_features=16, out_features=16, ub_overlap_ag=True), "ub_overlap_ag"),
+    (dict(in_features=16, out_features=16, ub_overlap_ag=True), "no ub_comm was given"),
 ])
 def test_bad_constructor_args(kwargs, match, device):
     with pytest.raises((ValueError, NotImplementedError)) as e:

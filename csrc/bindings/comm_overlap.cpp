@@ -1,7 +1,125 @@
+// Bindings of csrc/comm_gemm_overlap (te_parallel/parallel/overlap.py is the Python side).
+//
+// The communicator is a Python object owning a tep_comm*; the bootstrap all-gather is a Python
+// callable bytes -> bytes (every rank's bytes concatenated in rank order), called with the GIL held.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
 #include "bindings.h"
+#include "te_parallel/comm_gemm_overlap.h"
+
+namespace py = pybind11;
 
 namespace tep_bindings {
 
-void bind_comm_overlap(pybind11::module_& m) { (void)m; }
+namespace {
+
+struct BootstrapContext {
+  py::function allgather;
+  int world = 0;
+  std::string error;  // a Python exception raised inside the callback, re-raised after create
+};
+
+int bootstrap_trampoline(void* ctx, const void* send, void* recv, size_t bytes) {
+  auto* context = static_cast<BootstrapContext*>(ctx);
+  try {
+    py::bytes mine(static_cast<const char*>(send), bytes);
+    py::object result = context->allgather(mine);
+    std::string all = result.cast<std::string>();
+    if (all.size() != bytes * static_cast<size_t>(context->world)) {
+      context->error = "bootstrap all-gather returned " + std::to_string(all.size()) + " bytes; need " +
+                       std::to_string(bytes * context->world) + " (world_size x " + std::to_string(bytes) + ")";
+      return 1;
+    }
+    std::memcpy(recv, all.data(), all.size());
+    return 0;
+  } catch (py::error_already_set& err) {
+    context->error = err.what();
+    return 1;
+  }
+}
+
+class Communicator {
+ public:
+  Communicator(int rank, int world, size_t buffer_bytes, int num_flags, py::function allgather) : rank_(rank) {
+    BootstrapContext context{allgather, world, {}};
+    tep_status status = tep_comm_create(rank, world, buffer_bytes, num_flags, &bootstrap_trampoline, &context, &comm_);
+    if (!context.error.empty()) throw std::runtime_error("comm_gemm_overlap (rank " + std::to_string(rank) +
+                                                         "): bootstrap failed: " + context.error);
+    check(status);
+  }
+  ~Communicator() { tep_comm_destroy(comm_); }
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  void close() {
+    tep_status status = tep_comm_destroy(comm_);
+    comm_ = nullptr;
+    check(status);
+  }
+  std::uintptr_t buffer(int peer) const { return reinterpret_cast<std::uintptr_t>(tep_comm_buffer(live(), peer)); }
+  std::uintptr_t flags(int peer) const { return reinterpret_cast<std::uintptr_t>(tep_comm_flags(live(), peer)); }
+  void copy(std::uintptr_t dst, std::uintptr_t src, size_t bytes, std::uintptr_t stream) {
+    check(tep_comm_copy(live(), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                        reinterpret_cast<void*>(stream)));
+  }
+  void signal(int peer, int flag, uint32_t value, std::uintptr_t stream) {
+    check(tep_comm_signal(live(), peer, flag, value, reinterpret_cast<void*>(stream)));
+  }
+  void wait(int flag, uint32_t value, std::uintptr_t stream) {
+    check(tep_comm_wait(live(), flag, value, reinterpret_cast<void*>(stream)));
+  }
+
+ private:
+  tep_comm* live() const {
+    if (comm_ == nullptr) throw std::runtime_error("comm_gemm_overlap: the communicator was closed");
+    return comm_;
+  }
+  tep_comm* comm_ = nullptr;
+  int rank_;
+};
+
+void reduce_sum(const std::vector<std::uintptr_t>& inputs, int in_dtype, std::uintptr_t out, int out_dtype,
+                size_t numel, std::uintptr_t stream) {
+  std::vector<const void*> ptrs;
+  for (auto p : inputs) ptrs.push_back(reinterpret_cast<const void*>(p));
+  tep_status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = tep_reduce_sum(ptrs.data(), static_cast<int>(ptrs.size()), in_dtype, reinterpret_cast<void*>(out),
+                            out_dtype, numel, reinterpret_cast<void*>(stream));
+  }
+  check(status);
+}
+
+}  // namespace
+
+void bind_comm_overlap(py::module_& m) {
+  py::class_<Communicator>(m, "Communicator",
+                           "IPC-shared buffer + flags for one TP group (csrc/comm_gemm_overlap). Addresses "
+                           "and streams are ints; all calls enqueue on the given stream.")
+      .def(py::init<int, int, size_t, int, py::function>(), py::arg("rank"), py::arg("world_size"),
+           py::arg("buffer_bytes"), py::arg("num_flags"), py::arg("allgather"),
+           "Collective: allocate on the current device, exchange IPC handles with allgather(bytes) -> "
+           "bytes (all ranks' bytes in rank order), map the peers. Raises RuntimeError.")
+      .def("close", &Communicator::close, "Synchronise the device, unmap peers, free the buffer.")
+      .def("buffer", &Communicator::buffer, py::arg("peer"), "Device address of peer's data buffer.")
+      .def("flags", &Communicator::flags, py::arg("peer"), "Device address of peer's uint32 flags.")
+      .def("copy", &Communicator::copy, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"),
+           "Copy-engine copy (peer-mapped addresses allowed).")
+      .def("signal", &Communicator::signal, py::arg("peer"), py::arg("flag"), py::arg("value"), py::arg("stream"),
+           "Fence, then set peer's flags[flag] = value, on the stream.")
+      .def("wait", &Communicator::wait, py::arg("flag"), py::arg("value"), py::arg("stream"),
+           "The stream waits until own flags[flag] >= value.");
+  m.def("reduce_sum", &reduce_sum, py::arg("inputs"), py::arg("in_dtype"), py::arg("out"), py::arg("out_dtype"),
+        py::arg("numel"), py::arg("stream"),
+        "out = sum of inputs (device addresses, 1..8), fp32 accumulation in list order.");
+}
 
 }  // namespace tep_bindings

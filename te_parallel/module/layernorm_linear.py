@@ -8,7 +8,7 @@ from torch import nn
 
 from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
 from te_parallel.module.linear import (LinearParams, Linear, check_parallel_mode, linear_forward, local_features,
-                                       mark_sequence_parallel, reject_overlap)
+                                       mark_sequence_parallel, overlap_settings)
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.norm import apply_norm, check_normalization
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
@@ -75,12 +75,20 @@ class LayerNormLinear(FP8Module, TensorParallelMixin):
         zero_centered_gamma: bool = False,
         device=None,
         ub_overlap_ag: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
         ub_name: Optional[str] = None,
+        ub_comm=None,
         allreduce_sp_grads: bool = True,
     ) -> None:
         check_features("LayerNormLinear", in_features=in_features, out_features=out_features)
         check_parallel_mode("LayerNormLinear", parallel_mode)
-        reject_overlap("LayerNormLinear", ub_overlap_ag=ub_overlap_ag)
+        bwd = ub_overlap_ag or ub_overlap_rs_dgrad or ub_bulk_dgrad or ub_bulk_wgrad
+        self_ub = overlap_settings("LayerNormLinear", parallel_mode, sequence_parallel, ub_comm, ub_name,
+                                   fprop=ub_overlap_ag, dgrad=bwd)
+        if self_ub is not None and parallel_mode != "column":
+            raise ValueError("LayerNormLinear: comm-GEMM overlap needs parallel_mode='column'")
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=1, device=device)
         self._init_tp("LayerNormLinear", tp_group, tp_size, sequence_parallel)
@@ -94,6 +102,7 @@ class LayerNormLinear(FP8Module, TensorParallelMixin):
         self.return_layernorm_output = return_layernorm_output
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.parallel_mode = dtype, parallel_mode
+        self.ub = self_ub
         if parallel_mode == "row" and in_features != full_in:
             raise ValueError("LayerNormLinear: parallel_mode='row' would split the normalized features; use 'column'")
         add_norm_params(self, in_features, normalization, zero_centered_gamma, device, dtype)
@@ -107,7 +116,7 @@ class LayerNormLinear(FP8Module, TensorParallelMixin):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormLinear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
-        par = self._linear_parallel(self.parallel_mode, inp)
+        par = self._linear_parallel(self.parallel_mode, inp, self.ub)
         ln_out = norm_forward(self, inp.to(dtype))
         out, bias = linear_forward(self, self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),
                                    add_bias=not self.return_bias, par=par)

@@ -7,7 +7,7 @@ import torch
 
 from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
 from te_parallel.module.layernorm_linear import add_norm_params, norm_forward, pack_outputs
-from te_parallel.module.linear import Linear, LinearParams, linear_forward, mark_sequence_parallel, reject_overlap
+from te_parallel.module.linear import Linear, LinearParams, linear_forward, mark_sequence_parallel, overlap_settings
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 from te_parallel.parallel.groups import check_divisible
@@ -51,11 +51,21 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         device=None,
         ub_overlap_ag: bool = False,
         ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_comm=None,
         allreduce_sp_grads: bool = True,
     ) -> None:
         check_features("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_activation(activation)
-        reject_overlap("LayerNormMLP", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
+        # fc1 (column): AG+GEMM in fprop, bulk overlaps in backward; fc2 (row): GEMM+RS, AG(dy) under dgrad.
+        mode = "column" if set_parallel_mode else None
+        fc1_bwd = ub_overlap_ag or ub_overlap_rs_dgrad or ub_bulk_dgrad or ub_bulk_wgrad
+        self.ub_fc1 = overlap_settings("LayerNormMLP", mode, sequence_parallel, ub_comm, "fc1",
+                                       fprop=ub_overlap_ag, dgrad=fc1_bwd)
+        self.ub_fc2 = overlap_settings("LayerNormMLP", mode and "row", sequence_parallel, ub_comm, "fc2",
+                                       fprop=ub_overlap_rs, dgrad=ub_overlap_ag)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=2, device=device)
         self._init_tp("LayerNormMLP", tp_group, tp_size, sequence_parallel)
@@ -83,8 +93,8 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         check_input("LayerNormMLP", inp, self.hidden_size)
         dtype = activation_dtype(self.param_dtype, inp.device)
         frame = self._fp8_frame()
-        fc1_par = self._linear_parallel("column" if self.set_parallel_mode else None, inp)
-        fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp)
+        fc1_par = self._linear_parallel("column" if self.set_parallel_mode else None, inp, self.ub_fc1)
+        fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp, self.ub_fc2)
         ln_out = norm_forward(self, inp.to(dtype))
         fc1_out, _ = linear_forward(self, self._fc1, 0, ln_out, is_first_microbatch, frame, par=fc1_par)
         act_out = apply_activation(self.activation, fc1_out)

@@ -1,6 +1,7 @@
 """te.Linear: y = x·Wᵀ + b with FP8 GEMMs inside `fp8_autocast`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
@@ -21,6 +22,7 @@ from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.linear import LinearParallel, WgradTarget, linear
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim
+from te_parallel.parallel.overlap import CommOverlap
 
 
 class LinearParams:
@@ -102,11 +104,21 @@ class Linear(FP8Module, TensorParallelMixin):
         device=None,
         ub_overlap_ag: bool = False,
         ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
         ub_name: Optional[str] = None,
+        ub_comm=None,
     ) -> None:
         check_features("Linear", in_features=in_features, out_features=out_features)
         check_parallel_mode("Linear", parallel_mode)
-        reject_overlap("Linear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs)
+        if parallel_mode == "row":  # fprop GEMM+RS; dgrad gathers dy under the GEMM
+            self_ub = overlap_settings("Linear", parallel_mode, sequence_parallel, ub_comm, ub_name,
+                                       fprop=ub_overlap_rs, dgrad=ub_overlap_ag)
+        else:  # column fprop AG+GEMM; backward: AG(x) under dgrad, RS(dx) under wgrad
+            bwd = ub_overlap_ag or ub_overlap_rs_dgrad or ub_bulk_dgrad or ub_bulk_wgrad
+            self_ub = overlap_settings("Linear", parallel_mode, sequence_parallel, ub_comm, ub_name,
+                                       fprop=ub_overlap_ag, dgrad=bwd)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=1, device=device)
         self._init_tp("Linear", tp_group, tp_size, sequence_parallel)
@@ -115,6 +127,7 @@ class Linear(FP8Module, TensorParallelMixin):
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.parallel_mode = dtype, parallel_mode
+        self.ub = self_ub
         divisor = self.tp_size if parallel_mode == "column" else 1
         self._params = LinearParams(self, self.in_features, self.out_features, bias=bias, parameters_split=parameters_split,
                                     init_method=init_method, device=device, dtype=dtype, split_divisor=divisor)
@@ -123,7 +136,7 @@ class Linear(FP8Module, TensorParallelMixin):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("Linear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
-        par = self._linear_parallel(self.parallel_mode, inp)
+        par = self._linear_parallel(self.parallel_mode, inp, self.ub)
         out, bias = linear_forward(self, self._params, 0, inp.to(dtype), is_first_microbatch,
                                    self._fp8_frame(), add_bias=not self.return_bias, par=par)
         if not self.return_bias:
@@ -132,9 +145,14 @@ class Linear(FP8Module, TensorParallelMixin):
             bias = all_reduce_grad(bias, par.group)
         return out, None if bias is None else bias.to(dtype)
 
-    def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor) -> LinearParallel:
+    def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor, ub: Optional[UbSettings] = None) -> LinearParallel:
         self._check_tp_ready(inp.device)
-        par = LinearParallel(mode, self.tp_group, self.sequence_parallel, getattr(self, "fp8_all_gather", True))
+        fp8_gather = getattr(self, "fp8_all_gather", True)
+        if ub is None:
+            par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather)
+        else:
+            ub.comm.check_group(type(self).__name__, self.tp_group)
+            par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop, ub.dgrad)
         if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
             check_scatter_dim(type(self).__name__, inp.shape[0], self.tp_size)
         return par
@@ -149,10 +167,34 @@ def check_parallel_mode(owner: str, parallel_mode) -> None:
         raise ValueError(f"{owner}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
 
 
-def reject_overlap(owner: str, **ub_flags) -> None:
-    on = [k for k, v in ub_flags.items() if v]
-    if on:
-        raise NotImplementedError(f"{owner}: comm-GEMM overlap ({', '.join(on)}) is not implemented in this version")
+@dataclass(frozen=True)
+class UbSettings:
+    """Comm-GEMM overlap of one GEMM of a module: the communicator and which passes overlap."""
+
+    comm: object  # te_parallel.parallel.overlap.CommOverlap
+    fprop: bool
+    dgrad: bool
+
+
+def overlap_settings(owner: str, mode: Optional[str], sequence_parallel: bool, ub_comm, ub_name: Optional[str],
+                     fprop: bool, dgrad: bool) -> Optional[UbSettings]:
+    """Validates the ub_* arguments of one GEMM; None when nothing overlaps.
+
+    fprop: column AG+GEMM / row GEMM+RS requested; dgrad: row AG+dgrad / column bulk backward requested.
+    ub_cfgs of the communicator can switch a GEMM off by its "<ub_name>_<fprop|dgrad>" key.
+    """
+    if not (fprop or dgrad):
+        return None
+    if ub_comm is None:
+        raise ValueError(f"{owner}: comm-GEMM overlap was requested (ub_*=True) but no ub_comm was given; pass "
+                         f"ub_comm=te_parallel.initialize_ub(shape, tp_group, ...)")
+    if not isinstance(ub_comm, CommOverlap):
+        raise TypeError(f"{owner}: ub_comm must be the object returned by initialize_ub, got {type(ub_comm).__name__}")
+    if mode is None or not sequence_parallel:
+        raise ValueError(f"{owner}: comm-GEMM overlap needs parallel_mode 'column'/'row' with sequence_parallel=True "
+                         f"(got parallel_mode={mode!r}, sequence_parallel={sequence_parallel})")
+    return UbSettings(ub_comm, fprop and ub_comm.config(ub_name, "fprop").enabled,
+                      dgrad and ub_comm.config(ub_name, "dgrad").enabled)
 
 
 def local_features(owner: str, in_features: int, out_features: int, parallel_mode, tp_size: int):

@@ -40,7 +40,8 @@ class MultiheadAttention(nn.Module):
                  return_layernorm_output: bool = False, input_layernorm: bool = False, attention_type: str = "self",
                  set_parallel_mode: bool = False, fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
                  qkv_weight_interleaved: bool = True, ub_overlap_ag: bool = False, ub_overlap_rs: bool = False,
-                 bias: bool = True, normalization: str = "LayerNorm", device=None, qkv_format: str = "sbhd",
+                 ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
+                 ub_comm=None, bias: bool = True, normalization: str = "LayerNorm", device=None, qkv_format: str = "sbhd",
                  attention_backend: str = "auto") -> None:
         super().__init__()
         owner = "MultiheadAttention"
@@ -65,22 +66,30 @@ class MultiheadAttention(nn.Module):
                       get_rng_state_tracker=get_rng_state_tracker)
         ln = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                   return_layernorm_output=return_layernorm_output)
-        self._build_projections(hidden_size, attention_type, input_layernorm, col, init_method, common, ln)
+        # Comm-GEMM overlap (self-attention's input projection and proj; ub_comm from initialize_ub).
+        qkv_ub = dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                      ub_bulk_wgrad=ub_bulk_wgrad, ub_name="qkv", ub_comm=ub_comm)
+        self._build_projections(hidden_size, attention_type, input_layernorm, col, init_method, common, ln, qkv_ub)
         self.proj = Linear(self.hidden_q, hidden_size, init_method=output_layer_init_method or init_method,
-                           parallel_mode="row" if set_parallel_mode else None, return_bias=return_bias, **common)
+                           parallel_mode="row" if set_parallel_mode else None, return_bias=return_bias,
+                           ub_overlap_rs=ub_overlap_rs, ub_overlap_ag=ub_overlap_ag, ub_name="proj", ub_comm=ub_comm,
+                           **common)
 
-    def _build_projections(self, hidden, attention_type, input_layernorm, col, init, common, ln) -> None:
-        def make(out, split, prefix_norm: bool, name: str):
+    def _build_projections(self, hidden, attention_type, input_layernorm, col, init, common, ln, qkv_ub) -> None:
+        def make(out, split, prefix_norm: bool, name: str, ub=None):
             split = None if self.fuse_qkv_params else split
+            ub = ub or {}
             if prefix_norm:
-                setattr(self, name, LayerNormLinear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split, **ln, **common))
+                setattr(self, name, LayerNormLinear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split,
+                                                    **ln, **common, **ub))
             else:
-                setattr(self, name, Linear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split, **common))
+                setattr(self, name, Linear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split,
+                                           **common, **ub))
 
         q, kv = self.hidden_q, self.hidden_kv
         if attention_type == "self":
             name = "layernorm_qkv" if input_layernorm else "qkv"
-            make(q + 2 * kv, {"query": q, "key": kv, "value": kv}, input_layernorm, name)
+            make(q + 2 * kv, {"query": q, "key": kv, "value": kv}, input_layernorm, name, qkv_ub)
             self._qkv_name = name
         elif attention_type == "cross":
             name = "layernorm_query" if input_layernorm else "query_layer"

@@ -52,7 +52,9 @@ class TransformerLayer(nn.Module):
                  apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
                  layer_type: str = "encoder", drop_path_rate: float = 0.0, set_parallel_mode: bool = False,
                  fuse_qkv_params: bool = False, zero_centered_gamma: bool = False, qkv_weight_interleaved: bool = True,
-                 ub_tp_comm_overlap: bool = False, bias: bool = True, activation: str = "gelu",
+                 ub_tp_comm_overlap: bool = False, ub_overlap_ag: bool = True, ub_overlap_rs: bool = True,
+                 ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = True, ub_bulk_wgrad: bool = True,
+                 ub_comm=None, bias: bool = True, activation: str = "gelu",
                  normalization: str = "LayerNorm", device=None, attn_input_format: str = "sbhd",
                  attention_backend: str = "auto") -> None:
         super().__init__()
@@ -61,8 +63,12 @@ class TransformerLayer(nn.Module):
             raise ValueError(f"{owner}: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
         check_mask_type(owner, self_attn_mask_type)
         check_mask_type(owner, enc_dec_attn_mask_type)
-        if ub_tp_comm_overlap:
-            raise NotImplementedError(f"{owner}: ub_tp_comm_overlap=True (comm-GEMM overlap) is not implemented in this version")
+        # Comm-GEMM overlap: ub_tp_comm_overlap switches on the ub_* flags below (TE's defaults) for
+        # QKV/PROJ/FC1/FC2; ub_comm is the object initialize_ub returned for tp_group.
+        on = bool(ub_tp_comm_overlap)
+        ub = dict(ub_overlap_ag=on and ub_overlap_ag, ub_overlap_rs=on and ub_overlap_rs,
+                  ub_overlap_rs_dgrad=on and ub_overlap_rs_dgrad, ub_bulk_dgrad=on and ub_bulk_dgrad,
+                  ub_bulk_wgrad=on and ub_bulk_wgrad, ub_comm=ub_comm if on else None)
         self.tp_size = resolve_tp_size(owner, tp_group, tp_size)
         head_dim(owner, hidden_size, num_attention_heads, kv_channels)
         self.layer_type, self.self_attn_mask_type = layer_type, self_attn_mask_type
@@ -82,7 +88,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
             input_layernorm=not output_layernorm, attention_type="self",
-            return_layernorm_output=apply_residual_connection_post_layernorm, **attn)
+            return_layernorm_output=apply_residual_connection_post_layernorm, **attn, **ub)
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(
                 hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type, input_layernorm=True,
@@ -91,7 +97,7 @@ class TransformerLayer(nn.Module):
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, normalization=normalization,
             return_bias=False, return_layernorm_output=apply_residual_connection_post_layernorm,
-            output_layer_init_method=output_layer_init_method, **common)
+            output_layer_init_method=output_layer_init_method, **common, **ub)
         if output_layernorm:
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm(hidden_size, eps=layernorm_epsilon, sequence_parallel=sequence_parallel,

@@ -49,29 +49,37 @@ def fp8_mm(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     what: str = "",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(a · a_scale_inv) @ (b · b_scale_inv) + bias, accumulated in fp32.
 
     a: [M, K] FP8 row-major (contiguous); b: [K, N] FP8 column-major (b.t() contiguous).
+    out: optional contiguous [M, N] of out_dtype to write into (e.g. rows of a larger output).
     """
     _check(a, b, out_dtype, what)
     if not a.is_contiguous() or not b.t().is_contiguous():
         raise ValueError(f"FP8 {what} GEMM needs A row-major and B column-major (cuBLASLt 'TN')")
+    if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"FP8 {what} GEMM: out is {tuple(out.shape)} {out.dtype}; need contiguous "
+                         f"{(a.shape[0], b.shape[1])} {out_dtype}")
     if a.device.type == "cpu":
-        return _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+        result = _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+        return result if out is None else out.copy_(result)
     # cuBLASLt fuses a bias only into a bf16/fp16 output; add it afterwards for fp32.
     fuse_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
-    out = torch._scaled_mm(
+    kwargs = {} if out is None else {"out": out}
+    result = torch._scaled_mm(
         a,
         b,
         scale_a=a_scale_inv.reshape(()).to(torch.float32),
         scale_b=b_scale_inv.reshape(()).to(torch.float32),
         bias=bias if fuse_bias else None,
         out_dtype=out_dtype,
+        **kwargs,
     )
     if bias is not None and not fuse_bias:
-        out = out + bias.to(out_dtype)
-    return out
+        result = result.add_(bias.to(out_dtype)) if out is not None else result + bias.to(out_dtype)
+    return result
 
 
 def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
@@ -85,14 +93,15 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     return out.to(out_dtype)
 
 
-def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None):
+def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+          out: Optional[torch.Tensor] = None):
     """y [M, N] = x [M, K] · W[N, K]ᵀ."""
-    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop")
+    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out)
 
 
-def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype):
+def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):
     """dx [M, K] = dy [M, N] · W [N, K]."""
-    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad")
+    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad", out)
 
 
 def wgrad(dy: Float8Tensor, x: Float8Tensor, out_dtype: torch.dtype):

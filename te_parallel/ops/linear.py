@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
+from te_parallel.ops import linear_overlap as ov
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.parallel.collectives import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from te_parallel.parallel.groups import group_size
@@ -52,6 +53,10 @@ class LinearParallel:
     group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
     fp8_gather: bool = True  # False: gather the high-precision input, then cast (twice the bytes; for comparison)
+    # Comm-GEMM overlap (te_parallel.parallel.overlap.CommOverlap; sequence parallel only):
+    ub: Optional[object] = None
+    ub_fprop: bool = False  # column: AG+GEMM ring; row: GEMM+RS by destination chunk
+    ub_dgrad: bool = False  # row: AG(dy)+dgrad ring; column: AG(x) under dgrad, RS(dx) under wgrad
 
     @property
     def active(self) -> bool:
@@ -70,6 +75,14 @@ class LinearParallel:
     @property
     def gathers_grad(self) -> bool:  # row + SP: dy [M/tp, N] -> [M, N]
         return self.active and self.mode == "row" and self.sequence_parallel
+
+    @property
+    def overlap_fprop(self) -> bool:
+        return self.ub is not None and self.ub_fprop and self.active and self.sequence_parallel
+
+    @property
+    def overlap_dgrad(self) -> bool:
+        return self.ub is not None and self.ub_dgrad and self.active and self.sequence_parallel
 
 
 SINGLE = LinearParallel()
@@ -126,7 +139,7 @@ class LinearFunction(torch.autograd.Function):
         act_dtype, row = inp.dtype, par.active and par.mode == "row"
         need_wgrad = weight.requires_grad or bool(wgrad_targets)
         # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
-        regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute)
+        regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute or par.overlap_fprop)
         if par.gathers_input and not regather:
             x2d = _gather(x2d, par.group)[0]
         if fp8 is not None and fp8.compute:
@@ -136,12 +149,19 @@ class LinearFunction(torch.autograd.Function):
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
             x_local, w_used = x2d, weight.to(act_dtype)
-        x_used = _gather(x_local, par.group)[0] if regather else x_local
-        y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
-        if row:
-            y2d = _reduce_output(y2d, par)
-            if bias is not None:
-                y2d = y2d + bias.to(act_dtype)
+        if par.overlap_fprop and not row:  # column: gather ring under the GEMM
+            fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
+            y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False)[0]
+        elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
+            fp = lambda a, out: ov.fprop_into(a, w_used, None, out)  # noqa: E731
+            y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype)
+        else:
+            x_used = _gather(x_local, par.group)[0] if regather else x_local
+            y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
+            if row:
+                y2d = _reduce_output(y2d, par)
+        if row and bias is not None:
+            y2d = y2d + bias.to(act_dtype)
         ctx.fp8, ctx.targets, ctx.par, ctx.act_dtype = fp8, wgrad_targets, par, act_dtype
         ctx.has_bias, ctx.weight_dtype, ctx.inp_shape = bias is not None, weight.dtype, inp.shape
         ctx.w_saved = w_used
@@ -170,27 +190,72 @@ class LinearFunction(torch.autograd.Function):
             if fp8 is not None:
                 fp8.record_amax(dy2d, backward=True)
             dy = dy2d
-        if par.gathers_grad:
-            dy = _gather(dy, par.group)[0]
-        x_full, x_handle = ctx.x_saved, None
-        if need_dw and ctx.regather:
-            x_full, x_handle = _gather(ctx.x_saved, par.group, async_op=True)  # overlaps dgrad
-        dx2d, dx_handle = None, None
-        if need_dx:
-            dx2d = _dgrad(dy, ctx.w_saved, ctx.act_dtype)
-            dx2d, dx_handle = _reduce_dgrad(dx2d, par)  # async, overlaps wgrad
-        dw = None
-        if need_dw:
-            if x_handle is not None:
-                x_handle.wait()
-            dw = _wgrad(dy, x_full, torch.float32 if targets else ctx.weight_dtype)
-        if dx_handle is not None:
-            dx_handle.wait()
+        if par.overlap_dgrad:
+            dx2d, dy, dw = _overlapped_backward(ctx, dy, need_dx, need_dw)
+        else:
+            dx2d, dw = _backward(ctx, dy, need_dx, need_dw)
         if targets and dw is not None:
             _accumulate_main_grad(targets, dw)
             dw = None
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
         return dx, dw, dbias, None, None, None
+
+
+def _backward(ctx, dy, need_dx: bool, need_dw: bool):
+    """dgrad and wgrad with NCCL collectives (async where a GEMM can hide them; see the module doc)."""
+    par, targets = ctx.par, ctx.targets
+    if par.gathers_grad:
+        dy = _gather(dy, par.group)[0]
+    x_full, x_handle = ctx.x_saved, None
+    if need_dw and ctx.regather:
+        x_full, x_handle = _gather(ctx.x_saved, par.group, async_op=True)  # overlaps dgrad
+    dx2d, dx_handle = None, None
+    if need_dx:
+        dx2d = _dgrad(dy, ctx.w_saved, ctx.act_dtype)
+        dx2d, dx_handle = _reduce_dgrad(dx2d, par)  # async, overlaps wgrad
+    dw = None
+    if need_dw:
+        if x_handle is not None:
+            x_handle.wait()
+        dw = _wgrad(dy, x_full, torch.float32 if targets else ctx.weight_dtype)
+    if dx_handle is not None:
+        dx_handle.wait()
+    return dx2d, dw
+
+
+def _overlapped_backward(ctx, dy, need_dx: bool, need_dw: bool):
+    """Backward with comm-GEMM overlap; returns (dx2d, dy as used, dw)."""
+    par, targets = ctx.par, ctx.targets
+    wdtype = torch.float32 if targets else ctx.weight_dtype
+    dx2d, dw = None, None
+    if par.mode == "row":  # dy [m, N] gathered chunk by chunk under dgrad; the whole dy kept for wgrad
+        n_in = ctx.w_saved.shape[1]
+        if need_dx:
+            dg = lambda a, out: ov.dgrad_into(a, ctx.w_saved, out)  # noqa: E731
+            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, ctx.act_dtype, keep_gathered=need_dw)
+        else:
+            dy_full = _gather(dy, par.group)[0]
+        if need_dw:
+            dw = _wgrad(dy_full, ctx.x_saved, wdtype)
+        return dx2d, dy_full, dw
+    # column: x re-gathered under dgrad, dx reduce-scattered under wgrad
+    bulk = ov.BulkBackward(par.ub, ctx.x_saved if need_dw else None)
+    if need_dx:
+        rows = _rows_of(dy)
+        bulk.dgrad_rs(dy, ctx.w_saved, rows, ctx.w_saved.shape[1], ctx.act_dtype, _device_of(dy))
+    if need_dw:
+        dw = _wgrad(dy, bulk.x_full(), wdtype)
+    if need_dx:
+        dx2d = bulk.dx_local()
+    return dx2d, dy, dw
+
+
+def _rows_of(t) -> int:
+    return t.data.shape[0] if isinstance(t, Float8Tensor) else t.shape[0]
+
+
+def _device_of(t) -> torch.device:
+    return t.data.device if isinstance(t, Float8Tensor) else t.device
 
 
 def _only_transposed(q: Float8Tensor) -> Float8Tensor:

@@ -1,0 +1,230 @@
+// The IPC communicator of csrc/include/te_parallel/comm_gemm_overlap.h.
+//
+// Stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32) are driver API; they are
+// fetched through cudaGetDriverEntryPointByVersion so the library links no libcuda.so (it must import
+// on machines without a driver).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "../kernels/common.h"
+#include "te_parallel/comm_gemm_overlap.h"
+
+namespace {
+
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+constexpr size_t kAlign = 256;
+
+// What each rank publishes in the bootstrap exchange (fixed size, plain bytes).
+struct PeerInfo {
+  cudaIpcMemHandle_t handle;
+  int device;
+  int rank;
+  unsigned long long data_bytes;  // so that every rank can check they all asked for the same sizes
+  int num_flags;
+  int pad;
+};
+
+bool cuda_ok(cudaError_t err, const char* what, int rank) {
+  if (err == cudaSuccess) return true;
+  cudaGetLastError();
+  tep::set_error("comm_gemm_overlap (rank %d): %s failed: %s", rank, what, cudaGetErrorString(err));
+  return false;
+}
+
+bool load_stream_memops(WriteValue32* write, WaitValue32* wait, int rank) {
+  static WriteValue32 s_write = nullptr;
+  static WaitValue32 s_wait = nullptr;
+  if (!s_write || !s_wait) {
+    cudaDriverEntryPointQueryResult q1 = cudaDriverEntryPointSymbolNotFound, q2 = q1;
+    void* w = nullptr;
+    void* v = nullptr;
+    cudaError_t e1 = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &w, 12000, cudaEnableDefault, &q1);
+    cudaError_t e2 = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &v, 12000, cudaEnableDefault, &q2);
+    if (e1 != cudaSuccess || e2 != cudaSuccess || q1 != cudaDriverEntryPointSuccess ||
+        q2 != cudaDriverEntryPointSuccess || !w || !v) {
+      cudaGetLastError();
+      tep::set_error("comm_gemm_overlap (rank %d): the driver has no cuStreamWriteValue32/cuStreamWaitValue32 "
+                     "(stream memory operations need CUDA 12+ drivers)", rank);
+      return false;
+    }
+    s_write = reinterpret_cast<WriteValue32>(w);
+    s_wait = reinterpret_cast<WaitValue32>(v);
+  }
+  *write = s_write;
+  *wait = s_wait;
+  return true;
+}
+
+size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+struct tep_comm {
+  int rank = 0;
+  int world = 0;
+  int device = -1;
+  size_t data_bytes = 0;
+  int num_flags = 0;
+  char* local = nullptr;            // own allocation: [data | flags]
+  std::vector<char*> bases;         // every rank's allocation as mapped here (own = local)
+  WriteValue32 write_value = nullptr;
+  WaitValue32 wait_value = nullptr;
+};
+
+extern "C" {
+
+tep_status tep_comm_create(int rank, int world_size, size_t buffer_bytes, int num_flags,
+                           tep_bootstrap_allgather allgather, void* ctx, tep_comm** out) {
+  if (out == nullptr || allgather == nullptr || world_size < 1 || rank < 0 || rank >= world_size ||
+      num_flags < 1 || buffer_bytes == 0) {
+    tep::set_error("tep_comm_create: got rank=%d world_size=%d buffer_bytes=%zu num_flags=%d%s; need "
+                   "0 <= rank < world_size, buffer_bytes > 0, num_flags >= 1, an allgather and an output",
+                   rank, world_size, buffer_bytes, num_flags, allgather ? "" : " and no allgather");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  *out = nullptr;
+  tep_comm* comm = new (std::nothrow) tep_comm;
+  if (!comm) {
+    tep::set_error("tep_comm_create: out of host memory");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  comm->rank = rank;
+  comm->world = world_size;
+  comm->data_bytes = round_up(buffer_bytes);
+  comm->num_flags = num_flags;
+  auto fail = [&](tep_status status) {
+    tep_comm_destroy(comm);
+    return status;
+  };
+  if (!load_stream_memops(&comm->write_value, &comm->wait_value, rank)) return fail(TEP_ERROR_CUDA);
+  if (!cuda_ok(cudaGetDevice(&comm->device), "cudaGetDevice", rank)) return fail(TEP_ERROR_CUDA);
+  const size_t total = comm->data_bytes + round_up(sizeof(uint32_t) * num_flags);
+  if (!cuda_ok(cudaMalloc(&comm->local, total), "cudaMalloc of the shared buffer", rank)) return fail(TEP_ERROR_CUDA);
+  // Zero the flags (and the data, so a bug reads zeros, not stale bytes) before anyone can see them.
+  if (!cuda_ok(cudaMemset(comm->local, 0, total), "cudaMemset", rank) ||
+      !cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize", rank)) {
+    return fail(TEP_ERROR_CUDA);
+  }
+  PeerInfo mine;
+  std::memset(&mine, 0, sizeof(mine));
+  if (!cuda_ok(cudaIpcGetMemHandle(&mine.handle, comm->local), "cudaIpcGetMemHandle", rank)) return fail(TEP_ERROR_CUDA);
+  mine.device = comm->device;
+  mine.rank = rank;
+  mine.data_bytes = comm->data_bytes;
+  mine.num_flags = num_flags;
+  std::vector<PeerInfo> all(world_size);
+  if (allgather(ctx, &mine, all.data(), sizeof(PeerInfo)) != 0) {
+    tep::set_error("tep_comm_create (rank %d): the bootstrap all-gather of IPC handles failed", rank);
+    return fail(TEP_ERROR_INVALID_ARGUMENT);
+  }
+  comm->bases.assign(world_size, nullptr);
+  for (int peer = 0; peer < world_size; ++peer) {
+    const PeerInfo& info = all[peer];
+    if (info.rank != peer || info.data_bytes != comm->data_bytes || info.num_flags != num_flags) {
+      tep::set_error("tep_comm_create (rank %d): rank %d published rank=%d, %llu bytes, %d flags; this rank "
+                     "has %zu bytes, %d flags (every rank must ask for the same sizes)", rank, peer, info.rank,
+                     info.data_bytes, info.num_flags, comm->data_bytes, num_flags);
+      return fail(TEP_ERROR_INVALID_ARGUMENT);
+    }
+    if (peer == rank) {
+      comm->bases[peer] = comm->local;
+      continue;
+    }
+    void* mapped = nullptr;
+    cudaError_t err = cudaIpcOpenMemHandle(&mapped, info.handle, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      tep::set_error("comm_gemm_overlap (rank %d): cannot map rank %d's buffer (its device %d, ours %d): %s; "
+                     "peer access over NVLink/PCIe within one node is needed", rank, peer, info.device,
+                     comm->device, cudaGetErrorString(err));
+      return fail(TEP_ERROR_CUDA);
+    }
+    comm->bases[peer] = static_cast<char*>(mapped);
+  }
+  *out = comm;
+  return TEP_SUCCESS;
+}
+
+tep_status tep_comm_destroy(tep_comm* comm) {
+  if (comm == nullptr) return TEP_SUCCESS;
+  tep_status status = TEP_SUCCESS;
+  if (comm->local != nullptr) {
+    int current = -1;
+    cudaGetDevice(&current);
+    if (comm->device >= 0 && current != comm->device) cudaSetDevice(comm->device);
+    if (cudaDeviceSynchronize() != cudaSuccess) status = TEP_ERROR_CUDA;
+    for (int peer = 0; peer < static_cast<int>(comm->bases.size()); ++peer) {
+      if (peer != comm->rank && comm->bases[peer] != nullptr) cudaIpcCloseMemHandle(comm->bases[peer]);
+    }
+    cudaFree(comm->local);
+    cudaGetLastError();
+    if (current >= 0 && current != comm->device) cudaSetDevice(current);
+    if (status != TEP_SUCCESS) tep::set_error("tep_comm_destroy: device synchronisation failed");
+  }
+  delete comm;
+  return status;
+}
+
+void* tep_comm_buffer(const tep_comm* comm, int peer) {
+  if (comm == nullptr || peer < 0 || peer >= comm->world) return nullptr;
+  return comm->bases[peer];
+}
+
+uint32_t* tep_comm_flags(const tep_comm* comm, int peer) {
+  if (comm == nullptr || peer < 0 || peer >= comm->world) return nullptr;
+  return reinterpret_cast<uint32_t*>(comm->bases[peer] + comm->data_bytes);
+}
+
+tep_status tep_comm_copy(tep_comm* comm, void* dst, const void* src, size_t bytes, void* stream) {
+  if (comm == nullptr || (bytes > 0 && (dst == nullptr || src == nullptr))) {
+    tep::set_error("tep_comm_copy: got a null communicator or pointer");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (bytes == 0) return TEP_SUCCESS;
+  // Peer-mapped addresses are in the unified address space: cudaMemcpyDefault lets the runtime route
+  // the copy through the copy engines over the peer link.
+  cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
+  return cuda_ok(err, "cudaMemcpyAsync (peer copy)", comm->rank) ? TEP_SUCCESS : TEP_ERROR_CUDA;
+}
+
+tep_status tep_comm_signal(tep_comm* comm, int peer, int flag, uint32_t value, void* stream) {
+  if (comm == nullptr || peer < 0 || peer >= comm->world || flag < 0 || flag >= comm->num_flags) {
+    tep::set_error("tep_comm_signal: peer=%d flag=%d out of range (world %d, %d flags)", peer, flag,
+                   comm ? comm->world : 0, comm ? comm->num_flags : 0);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  // Default flags: the write is preceded by a fence, so this stream's earlier copies into the peer's
+  // memory are visible to the peer before it sees the flag.
+  CUresult res = comm->write_value(static_cast<CUstream>(stream),
+                                   reinterpret_cast<CUdeviceptr>(tep_comm_flags(comm, peer) + flag), value, 0);
+  if (res != CUDA_SUCCESS) {
+    tep::set_error("comm_gemm_overlap (rank %d): cuStreamWriteValue32 to rank %d flag %d failed (CUresult %d)",
+                   comm->rank, peer, flag, static_cast<int>(res));
+    return TEP_ERROR_CUDA;
+  }
+  return TEP_SUCCESS;
+}
+
+tep_status tep_comm_wait(tep_comm* comm, int flag, uint32_t value, void* stream) {
+  if (comm == nullptr || flag < 0 || flag >= comm->num_flags) {
+    tep::set_error("tep_comm_wait: flag=%d out of range (%d flags)", flag, comm ? comm->num_flags : 0);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  CUresult res = comm->wait_value(static_cast<CUstream>(stream),
+                                  reinterpret_cast<CUdeviceptr>(tep_comm_flags(comm, comm->rank) + flag), value,
+                                  CU_STREAM_WAIT_VALUE_GEQ);
+  if (res != CUDA_SUCCESS) {
+    tep::set_error("comm_gemm_overlap (rank %d): cuStreamWaitValue32 on flag %d failed (CUresult %d)", comm->rank,
+                   flag, static_cast<int>(res));
+    return TEP_ERROR_CUDA;
+  }
+  return TEP_SUCCESS;
+}
+
+}  // extern "C"

@@ -1,0 +1,74 @@
+/*
+ * te_parallel comm-GEMM overlap core: a communicator for one tensor-parallel group on one node.
+ *
+ * Every rank allocates one device buffer (data + 32-bit flags) and maps every peer's buffer through
+ * CUDA IPC handles, exchanged by a caller-supplied all-gather (the "bootstrap": torch.distributed's
+ * store, MPI, ...). After that the steady state needs no host round trip and no SM:
+ *   - data moves with the copy engines (cudaMemcpyAsync between peer-mapped pointers);
+ *   - ordering across GPUs uses stream memory operations on the flags: a rank writes a value into a
+ *     peer's flag on its stream (after a memory fence, so data written before it is visible first),
+ *     and a stream waits until one of its own flags is >= a value.
+ * Flag values only grow (callers use a per-operation generation counter), so flags are never reset.
+ * No CUDA multicast objects are created (NCCL_NVLS_ENABLE=0 machines).
+ * GEMMs are not launched here: the caller runs cuBLASLt on its compute stream between these calls.
+ */
+#ifndef TE_PARALLEL_COMM_GEMM_OVERLAP_H_
+#define TE_PARALLEL_COMM_GEMM_OVERLAP_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "te_parallel/te_parallel.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tep_comm tep_comm;
+
+/*
+ * Bootstrap all-gather: every rank of the group passes `bytes` bytes in `send`; on return `recv`
+ * holds world_size * bytes bytes, rank r's at offset r * bytes. Returns 0 on success; non-zero makes
+ * tep_comm_create fail (the callback should bound its wait and say why in its own error reporting).
+ */
+typedef int (*tep_bootstrap_allgather)(void* ctx, const void* send, void* recv, size_t bytes);
+
+/*
+ * Collective over the group: allocates `buffer_bytes` of data and `num_flags` zeroed uint32 flags on
+ * the calling thread's current device, exchanges IPC handles through `allgather`, and maps every
+ * peer's buffer. Fails (TEP_ERROR_CUDA, with the peer rank in the message) if a peer's memory cannot
+ * be mapped, e.g. GPUs without peer access or on another node.
+ */
+TEP_API tep_status tep_comm_create(int rank, int world_size, size_t buffer_bytes, int num_flags,
+                                   tep_bootstrap_allgather allgather, void* ctx, tep_comm** comm);
+
+/* Unmaps the peers and frees the buffer after synchronising the device. Collective in spirit: call
+ * it on every rank once no peer can still be reading this rank's buffer. NULL is a no-op. */
+TEP_API tep_status tep_comm_destroy(tep_comm* comm);
+
+/* Device address of `peer`'s data buffer / flags as mapped in this process (peer == rank: own). */
+TEP_API void* tep_comm_buffer(const tep_comm* comm, int peer);
+TEP_API uint32_t* tep_comm_flags(const tep_comm* comm, int peer);
+
+/* Copy-engine copy of `bytes` from `src` to `dst` (any mix of local and peer-mapped addresses). */
+TEP_API tep_status tep_comm_copy(tep_comm* comm, void* dst, const void* src, size_t bytes, void* stream);
+
+/* On `stream`: fence prior writes of this stream, then set peer's flags[flag] = value. */
+TEP_API tep_status tep_comm_signal(tep_comm* comm, int peer, int flag, uint32_t value, void* stream);
+
+/* On `stream`: later work waits until this rank's flags[flag] >= value (no host involvement). */
+TEP_API tep_status tep_comm_wait(tep_comm* comm, int flag, uint32_t value, void* stream);
+
+/*
+ * out[i] = sum_k inputs[k][i], accumulated in fp32 in the order k = 0 .. num_inputs-1, rounded once
+ * to out_dtype. inputs: host array of num_inputs (1..8) device pointers, all of in_dtype
+ * (fp32/fp16/bf16); out may alias inputs[0]. Asynchronous on `stream`.
+ */
+TEP_API tep_status tep_reduce_sum(const void* const* inputs, int num_inputs, int in_dtype, void* out,
+                                  int out_dtype, size_t numel, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TE_PARALLEL_COMM_GEMM_OVERLAP_H_ */

@@ -1,0 +1,133 @@
+"""The overlapped schedules of LinearFunction (te_parallel/parallel/overlap.py has the communicator).
+
+Shapes on one rank, tp ranks, me = this rank, M = tokens of the whole sequence, m = M/tp:
+
+  ag_gemm   column fprop   x_local [m, K] -> y [M, N/tp]   y[rows of r] = x_r · Wᵀ
+            row dgrad      dy_local [m, N] -> dx [M, K/tp]  dx[rows of r] = dy_r · W
+      step k = 0..tp-1 multiplies the chunk of rank (me+k) % tp while the chunk of step k+1 is pulled;
+      each GEMM writes its own rows of the output, so nothing is concatenated afterwards.
+  gemm_rs   row fprop      x [M, K/tp] -> y_local [m, N]    partial_d = x[rows of d] · Wᵀ
+      step k = 1..tp computes the partial for d = (me+k) % tp (own chunk last) straight into the
+      shared send slot of d; d pulls it while step k+1 computes; then each rank adds its tp partials.
+  bulk      column bwd     AG(x_local) under dgrad, RS(dx) under wgrad (side streams).
+
+The collective moves "a tensor": FP8 operands travel as their uint8 bytes and are re-wrapped with the
+shared scale_inv (every rank cast with the same, TP-reduced scale), so FP8 gathers move half the bytes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.ops import gemm
+
+Operand = object  # torch.Tensor or Float8Tensor
+
+
+def _bytes(t: Operand) -> torch.Tensor:
+    return t.data.view(torch.uint8) if isinstance(t, Float8Tensor) else t
+
+
+def _wrap(chunk: torch.Tensor, like: Operand) -> Operand:
+    if isinstance(like, Float8Tensor):
+        return Float8Tensor(chunk.view(like.data.dtype), like.scale_inv)
+    return chunk
+
+
+def fprop_into(x: Operand, w: Operand, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out [rows, N] = x [rows, K] · Wᵀ (+ bias)."""
+    if isinstance(x, Float8Tensor):
+        gemm.fprop(x, w, out.dtype, bias, out=out)
+    elif bias is None:
+        torch.matmul(x, w.t(), out=out)
+    else:
+        torch.addmm(bias.to(out.dtype), x, w.t(), out=out)
+
+
+def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor) -> None:
+    """out [rows, K] = dy [rows, N] · W."""
+    if isinstance(dy, Float8Tensor):
+        gemm.dgrad(dy, w, out.dtype, out=out)
+    else:
+        torch.matmul(dy, w, out=out)
+
+
+def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], None], n_out: int,
+            out_dtype: torch.dtype, keep_gathered: bool) -> Tuple[torch.Tensor, Optional[Operand]]:
+    """(out [tp·m, n_out], the gathered A [tp·m, K] if keep_gathered else None)."""
+    tp, me = ub.tp_size, ub.rank
+    local = _bytes(a_local)
+    m = local.shape[0]
+    full = torch.empty((tp * m, *local.shape[1:]), dtype=local.dtype, device=local.device) if keep_gathered else None
+    handle = ub.all_gather(local, full)
+    out = torch.empty((tp * m, n_out), dtype=out_dtype, device=local.device)
+    for k in range(tp):
+        src = (me + k) % tp
+        a = a_local if src == me else _wrap(handle.chunk(src), a_local)
+        gemm_into(a, out[src * m : (src + 1) * m])
+    gathered = _wrap(handle.wait(), a_local) if keep_gathered else None
+    return out, gathered
+
+
+def gemm_rs(ub, a_full: Operand, gemm_into: Callable[[Operand, torch.Tensor], None], n_out: int,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """[m, n_out]: this rank's rows of sum over ranks of A·B, computed by destination chunk."""
+    tp, me = ub.tp_size, ub.rank
+    rows = _bytes(a_full).shape[0]
+    m = rows // tp
+    rs = ub.reduce_scatter(rows, n_out, out_dtype, _bytes(a_full).device)
+    for k in range(1, tp + 1):
+        d = (me + k) % tp
+        a_rows = _rows(a_full, d * m, (d + 1) * m)
+        gemm_into(a_rows, rs.slot(d))
+        rs.ready(d)
+    return rs.finish(out_dtype)
+
+
+def _rows(a: Operand, start: int, stop: int) -> Operand:
+    if isinstance(a, Float8Tensor):
+        return Float8Tensor(a.data[start:stop], a.scale_inv)
+    return a[start:stop]
+
+
+class BulkBackward:
+    """Column-parallel backward: gather x under dgrad, reduce-scatter dx under wgrad.
+
+        start(x_local)        AG of x begins on its side stream
+        dgrad_rs(dy, w)       dx partial [M, K] written into the RS send slots, RS begins
+        x_full()              waits for the gather (before wgrad)
+        dx_local()            waits for the RS (after wgrad)
+    """
+
+    def __init__(self, ub, x_local: Optional[Operand]) -> None:
+        self.ub = ub
+        self.x_like = x_local
+        self.gather = None
+        if x_local is not None:
+            local = _bytes(x_local)
+            full = torch.empty((ub.tp_size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+            self.gather = ub.all_gather(local, full)
+        self.rs = None
+
+    def dgrad_rs(self, dy: Operand, w: Operand, rows: int, cols: int, out_dtype: torch.dtype, device) -> None:
+        ub = self.ub
+        rs = ub.reduce_scatter(rows, cols, out_dtype, device)
+        full = rs.full()
+        if full is not None:
+            dgrad_into(dy, w, full)
+        else:
+            m = rows // ub.tp_size
+            for d in range(ub.tp_size):
+                dgrad_into(_rows(dy, d * m, (d + 1) * m), w, rs.slot(d))
+        for d in range(ub.tp_size):
+            rs.ready(d)
+        rs.finish(out_dtype, async_op=True)
+        self.rs = rs
+
+    def x_full(self) -> Operand:
+        return _wrap(self.gather.wait(), self.x_like)
+
+    def dx_local(self) -> torch.Tensor:
+        return self.rs.wait()

@@ -1,0 +1,327 @@
+"""How comm-GEMM overlap moves bytes between the ranks of one TP group: CUDA IPC + copy engines, or
+torch.distributed point-to-point as the fallback. Both offer the same two exchanges:
+
+  all-gather      [m, c] per rank -> chunks of every rank, each awaitable on its own (`AllGather`)
+  reduce-scatter  [tp·m, c] partials per rank, filled chunk by chunk by the caller -> [m, c] of the
+                  sum on its owner (`ReduceScatter`); the owner adds the tp partials in fp32, in rank
+                  order, once
+
+Tensors here are plain ("a tensor": bf16, fp32 or the uint8 view of FP8 bytes; STYLE.md 4).
+
+IPC protocol (one shared buffer per rank, regions per channel, uint32 flags; gen = per-channel op
+counter, identical on all ranks because they issue the same ops in the same order):
+  producer: wait done[p] >= gen-1 for every peer p (they finished reading my previous data), write
+            my data into my own region, then signal ready[me] = gen on every consumer;
+  consumer: wait ready[src] >= gen, pull src's region into private memory with the copy engine,
+            then signal done[me] = gen on src.
+Each rank reads peers' memory (pull), so the gathered result lives in ordinary torch memory with
+ordinary lifetimes; only the small send regions are shared. Waits and signals are stream memory
+operations: no host round trip, no SM. Pulls go straight from the owner of a chunk (NVLink/NVSwitch
+nodes are fully connected), in ring order me+1, me+2, ... so that at each step every rank reads
+a different peer.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from te_parallel import _native
+
+AG, RS = 0, 1  # channels: all-gather (one chunk region) and reduce-scatter (tp chunk regions)
+_TEP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """sum(parts) accumulated in fp32 in list order, rounded once (the native kernel's math)."""
+    acc = parts[0].to(torch.float32).clone()
+    for p in parts[1:]:
+        acc += p.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def _check_gather(t, x_local: torch.Tensor) -> int:
+    nbytes = x_local.numel() * x_local.element_size()
+    if nbytes > t.chunk_bytes:
+        raise ValueError(f"comm-GEMM overlap: all-gather chunk of {tuple(x_local.shape)} {x_local.dtype} is "
+                         f"{nbytes} bytes; the buffer from initialize_ub holds {t.chunk_bytes} per chunk "
+                         f"(pass a larger shape to initialize_ub)")
+    return nbytes
+
+
+def _check_scatter(t, rows: int, cols: int, dtype: torch.dtype) -> int:
+    if rows % t.tp:
+        raise ValueError(f"comm-GEMM overlap: reduce-scatter of {rows} rows over {t.tp} ranks; rows must divide")
+    nbytes = rows // t.tp * cols * torch.empty((), dtype=dtype).element_size()
+    if nbytes > t.chunk_bytes:
+        raise ValueError(f"comm-GEMM overlap: reduce-scatter of [{rows}, {cols}] {dtype} needs {nbytes} bytes per "
+                         f"chunk; the buffer from initialize_ub holds {t.chunk_bytes} (pass a larger shape)")
+    return nbytes
+
+
+class _CudaArray:
+    """Exposes a raw device allocation to torch.as_tensor (zero-copy, via __cuda_array_interface__)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class IpcTransport:
+    """CUDA IPC buffers shared by the TP group (te_parallel._C.Communicator) and copy-engine pulls."""
+
+    name = "ipc"
+
+    def __init__(self, rank: int, tp: int, chunk_bytes: int, bootstrap, device: torch.device) -> None:
+        self.rank, self.tp, self.device = rank, tp, device
+        self.chunk_bytes = -(-chunk_bytes // 256) * 256
+        self.offsets = {AG: 0, RS: self.chunk_bytes}  # [AG: 1 chunk | RS: tp chunks]
+        total = self.chunk_bytes * (1 + tp)
+        with torch.cuda.device(device):
+            self.comm = _native.load().Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
+            self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
+            self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
+        self.gen = {AG: 0, RS: 0}
+
+    # flags on every rank: [channel][ready | done][peer]
+    def _ready(self, ch: int, peer: int) -> int:
+        return (2 * ch) * self.tp + peer
+
+    def _done(self, ch: int, peer: int) -> int:
+        return (2 * ch + 1) * self.tp + peer
+
+    def _peer_addr(self, ch: int, peer: int) -> int:
+        return self.comm.buffer(peer) + self.offsets[ch]
+
+    def _own_view(self, ch: int, nbytes: int) -> torch.Tensor:
+        start = self.offsets[ch]
+        return self.own[start : start + nbytes]
+
+    def _peers(self):
+        return [(self.rank + k) % self.tp for k in range(1, self.tp)]
+
+    def _wait_consumers(self, ch: int, gen: int, stream) -> None:
+        if gen > 1:
+            for p in self._peers():
+                self.comm.wait(self._done(ch, p), gen - 1, stream.cuda_stream)
+
+    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> "IpcAllGather":
+        return IpcAllGather(self, x_local, out)
+
+    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device) -> "IpcReduceScatter":
+        return IpcReduceScatter(self, rows, cols, dtype)
+
+    def close(self) -> None:
+        self.own = None
+        self.comm.close()
+
+
+class IpcAllGather:
+    """All chunks are pulled on the AG stream at construction; `chunk(src)` makes the current stream
+    wait for src's chunk only, so the caller's GEMM on chunk k overlaps the pull of chunk k+1."""
+
+    def __init__(self, t: IpcTransport, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        m = x_local.shape[0]
+        self.t, self.m, self.x_local = t, m, x_local.contiguous()
+        nbytes = _check_gather(t, self.x_local)
+        self.out = out if out is not None else torch.empty((t.tp * m, *x_local.shape[1:]), dtype=x_local.dtype,
+                                                           device=x_local.device)
+        t.gen[AG] += 1
+        gen, cur, s = t.gen[AG], torch.cuda.current_stream(t.device), t.streams[AG]
+        s.wait_stream(cur)  # x_local and out are ready / allocated
+        self.events: Dict[int, torch.cuda.Event] = {}
+        comm, sp = t.comm, s.cuda_stream
+        t._wait_consumers(AG, gen, s)
+        comm.copy(t._own_view(AG, nbytes).data_ptr(), self.x_local.data_ptr(), nbytes, sp)
+        for p in t._peers():
+            comm.signal(p, t._ready(AG, t.rank), gen, sp)
+        if out is not None:  # the caller wants the whole gathered tensor, own rows included
+            comm.copy(self._rows(t.rank).data_ptr(), self.x_local.data_ptr(), nbytes, sp)
+        for src in t._peers():
+            comm.wait(t._ready(AG, src), gen, sp)
+            comm.copy(self._rows(src).data_ptr(), t._peer_addr(AG, src), nbytes, sp)
+            comm.signal(src, t._done(AG, t.rank), gen, sp)
+            ev = torch.cuda.Event()
+            ev.record(s)
+            self.events[src] = ev
+        self.x_local.record_stream(s)
+        self.out.record_stream(s)
+
+    def _rows(self, r: int) -> torch.Tensor:
+        return self.out[r * self.m : (r + 1) * self.m]
+
+    def chunk(self, src: int) -> torch.Tensor:
+        if src == self.t.rank:
+            return self.x_local
+        torch.cuda.current_stream(self.t.device).wait_event(self.events[src])
+        return self._rows(src)
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream(self.t.device).wait_stream(self.t.streams[AG])
+        return self.out
+
+
+class IpcReduceScatter:
+    """The caller writes the partial for destination d into `slot(d)` (a view of the shared buffer)
+    and calls `ready(d)`; `finish()` pulls the partials meant for this rank and adds them in fp32."""
+
+    def __init__(self, t: IpcTransport, rows: int, cols: int, dtype: torch.dtype) -> None:
+        self.t, self.m, self.cols, self.dtype = t, rows // t.tp, cols, dtype
+        nbytes = _check_scatter(t, rows, cols, dtype)
+        self.nbytes, self.stride = nbytes, -(-nbytes // 256) * 256  # slot d at d·stride (same on every rank)
+        t.gen[RS] += 1
+        self.gen = t.gen[RS]
+        t._wait_consumers(RS, self.gen, torch.cuda.current_stream(t.device))  # GEMMs write the send slots next
+        self.partials = self.t._own_view(RS, t.tp * t.chunk_bytes)
+
+    def _own_slot(self, d: int) -> torch.Tensor:
+        start = d * self.stride
+        return self.partials[start : start + self.nbytes].view(self.dtype).view(self.m, self.cols)
+
+    def slot(self, d: int) -> torch.Tensor:
+        return self._own_slot(d)
+
+    def full(self) -> Optional[torch.Tensor]:
+        """All tp slots as one [tp·m, cols] tensor when they are packed back to back, else None."""
+        if self.stride != self.nbytes:
+            return None
+        return self.partials[: self.t.tp * self.nbytes].view(self.dtype).view(self.t.tp * self.m, self.cols)
+
+    def ready(self, d: int) -> None:
+        if d != self.t.rank:
+            self.t.comm.signal(d, self.t._ready(RS, self.t.rank), self.gen,
+                               torch.cuda.current_stream(self.t.device).cuda_stream)
+
+    def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> torch.Tensor:
+        """[m, cols] sum of the partials for this rank. async_op: the pulls and the sum run on the RS
+        stream; call `wait()` before using the result on the current stream."""
+        t, comm = self.t, self.t.comm
+        s, cur = t.streams[RS], torch.cuda.current_stream(t.device)
+        s.wait_stream(cur)
+        received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
+        out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
+        parts = {t.rank: self._own_slot(t.rank)}
+        sp = s.cuda_stream
+        for k, src in enumerate(reversed(t._peers())):  # me-1, me-2, ...: the rank that computed my chunk at step k
+            comm.wait(t._ready(RS, src), self.gen, sp)
+            comm.copy(received[k].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
+            comm.signal(src, t._done(RS, t.rank), self.gen, sp)
+            parts[src] = received[k]
+        ordered = [parts[r] for r in range(t.tp)]
+        with torch.cuda.stream(s):
+            _native.load().reduce_sum([p.data_ptr() for p in ordered], _TEP_DTYPES[self.dtype], out.data_ptr(),
+                                      _TEP_DTYPES[out_dtype], out.numel(), sp)
+        received.record_stream(s)
+        out.record_stream(s)
+        self.out = out
+        if not async_op:
+            cur.wait_stream(s)
+        return out
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream(self.t.device).wait_stream(self.t.streams[RS])
+        return self.out
+
+
+class P2PTransport:
+    """The same exchanges over torch.distributed isend/irecv on the TP group (any backend)."""
+
+    name = "p2p"
+
+    def __init__(self, group, rank: int, tp: int, chunk_bytes: int) -> None:
+        self.group, self.rank, self.tp = group, rank, tp
+        self.chunk_bytes = -(-chunk_bytes // 256) * 256  # the IPC limit, enforced alike so CPU runs catch it
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(tp)]
+
+    def _peers(self):
+        return [(self.rank + k) % self.tp for k in range(1, self.tp)]
+
+    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> "P2PAllGather":
+        return P2PAllGather(self, x_local, out)
+
+    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device) -> "P2PReduceScatter":
+        return P2PReduceScatter(self, rows, cols, dtype, device)
+
+    def close(self) -> None:
+        pass
+
+
+def _p2p(ops) -> list:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+class P2PAllGather:
+    def __init__(self, t: P2PTransport, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        m = x_local.shape[0]
+        self.t, self.m, self.x_local = t, m, x_local.contiguous()
+        _check_gather(t, self.x_local)
+        self.out = out if out is not None else torch.empty((t.tp * m, *x_local.shape[1:]), dtype=x_local.dtype,
+                                                           device=x_local.device)
+        if out is not None:
+            self._rows(t.rank).copy_(self.x_local)
+        self.works: Dict[int, list] = {}
+        for k in range(1, t.tp):  # step k: send mine to me-k, receive me+k's
+            dst, src = (t.rank - k) % t.tp, (t.rank + k) % t.tp
+            ops = [dist.P2POp(dist.isend, self.x_local, t.global_ranks[dst], t.group),
+                   dist.P2POp(dist.irecv, self._rows(src), t.global_ranks[src], t.group)]
+            self.works[src] = _p2p(ops)
+
+    def _rows(self, r: int) -> torch.Tensor:
+        return self.out[r * self.m : (r + 1) * self.m]
+
+    def chunk(self, src: int) -> torch.Tensor:
+        if src == self.t.rank:
+            return self.x_local
+        for w in self.works.pop(src, []):
+            w.wait()
+        return self._rows(src)
+
+    def wait(self) -> torch.Tensor:
+        for src in list(self.works):
+            self.chunk(src)
+        return self.out
+
+
+class P2PReduceScatter:
+    def __init__(self, t: P2PTransport, rows: int, cols: int, dtype: torch.dtype, device) -> None:
+        _check_scatter(t, rows, cols, dtype)
+        self.t, self.m, self.cols, self.dtype = t, rows // t.tp, cols, dtype
+        self.partials = torch.empty((rows, cols), dtype=dtype, device=device)
+        self.works: list = []
+        self.received: Dict[int, torch.Tensor] = {}
+
+    def slot(self, d: int) -> torch.Tensor:
+        return self.partials[d * self.m : (d + 1) * self.m]
+
+    def full(self) -> torch.Tensor:
+        return self.partials
+
+    def ready(self, d: int) -> None:
+        t = self.t
+        if d == t.rank:
+            return
+        k = (d - t.rank) % t.tp  # the step at which this rank computes d's chunk; d receives from d-k = me
+        src = (t.rank - k) % t.tp
+        recv = torch.empty((self.m, self.cols), dtype=self.dtype, device=self.partials.device)
+        self.received[src] = recv
+        self.works += _p2p([dist.P2POp(dist.isend, self.slot(d), t.global_ranks[d], t.group),
+                            dist.P2POp(dist.irecv, recv, t.global_ranks[src], t.group)])
+
+    def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> Optional[torch.Tensor]:
+        """The sum now, or (async_op) at `wait()`, leaving the transfers in flight until then."""
+        self.out_dtype, self.out = out_dtype, None
+        return None if async_op else self.wait()
+
+    def wait(self) -> torch.Tensor:
+        if self.out is None:
+            for w in self.works:
+                w.wait()
+            parts = [self.slot(r) if r == self.t.rank else self.received[r] for r in range(self.t.tp)]
+            self.out = reduce_sum_reference(parts, self.out_dtype)
+        return self.out
+
+
+def warn_fallback(reason: str) -> None:
+    warnings.warn(f"te_parallel comm-GEMM overlap: {reason}; the same ring runs over torch.distributed "
+                  f"point-to-point instead of CUDA IPC + copy engines", stacklevel=3)
