@@ -42,6 +42,12 @@ def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> t
     return acc.to(out_dtype)
 
 
+def _event(stream, timing: bool) -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=timing)
+    ev.record(stream)
+    return ev
+
+
 def _check_gather(t, x_local: torch.Tensor) -> int:
     nbytes = x_local.numel() * x_local.element_size()
     if nbytes > t.chunk_bytes:
@@ -83,6 +89,7 @@ class IpcTransport:
             self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
             self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
         self.gen = {AG: 0, RS: 0}
+        self.timing = False  # True: record timed events around every pull (benchmarks' overlap proof)
 
     # flags on every rank: [channel][ready | done][peer]
     def _ready(self, ch: int, peer: int) -> int:
@@ -138,13 +145,14 @@ class IpcAllGather:
             comm.signal(p, t._ready(AG, t.rank), gen, sp)
         if out is not None:  # the caller wants the whole gathered tensor, own rows included
             comm.copy(self._rows(t.rank).data_ptr(), self.x_local.data_ptr(), nbytes, sp)
+        self.pull_started: Dict[int, torch.cuda.Event] = {}
         for src in t._peers():
             comm.wait(t._ready(AG, src), gen, sp)
+            if t.timing:
+                self.pull_started[src] = _event(s, True)
             comm.copy(self._rows(src).data_ptr(), t._peer_addr(AG, src), nbytes, sp)
             comm.signal(src, t._done(AG, t.rank), gen, sp)
-            ev = torch.cuda.Event()
-            ev.record(s)
-            self.events[src] = ev
+            self.events[src] = _event(s, t.timing)
         self.x_local.record_stream(s)
         self.out.record_stream(s)
 
@@ -203,10 +211,14 @@ class IpcReduceScatter:
         out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
         parts = {t.rank: self._own_slot(t.rank)}
         sp = s.cuda_stream
+        self.pulls = []  # (started, ended) events when t.timing
         for k, src in enumerate(reversed(t._peers())):  # me-1, me-2, ...: the rank that computed my chunk at step k
             comm.wait(t._ready(RS, src), self.gen, sp)
+            started = _event(s, True) if t.timing else None
             comm.copy(received[k].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
             comm.signal(src, t._done(RS, t.rank), self.gen, sp)
+            if t.timing:
+                self.pulls.append((started, _event(s, True)))
             parts[src] = received[k]
         ordered = [parts[r] for r in range(t.tp)]
         with torch.cuda.stream(s):

@@ -1,0 +1,223 @@
+"""Comm-GEMM overlap at TP=2: AG+GEMM and GEMM+RS vs the GEMM alone, bf16 and FP8, plus a TransformerLayer.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_overlap.py [--json out.json] [--layer]
+
+Shapes (issue 6): per-rank input 4096×4096 (M = 4096·tp tokens in all), weight shard 6144×4096.
+  column fprop  AG(x [M/tp, 4096]) · W[6144, 4096]ᵀ            -> [M, 6144]
+  row fprop     RS(x [M, 6144] · W[4096, 6144]ᵀ)               -> [M/tp, 4096]
+Rows per case: the GEMM alone (on already-gathered / unreduced data), NCCL collective then GEMM
+(sequential), te_parallel's overlap; ratios are ÷ GEMM alone. Every time is the max over the ranks
+of the per-rank median (CUDA events). `--layer` adds the seed TransformerLayer (hidden 4096, ffn 16384,
+32 heads, s 2048 × b 4) at TP=2+SP in FP8, fwd+bwd with and without overlap.
+The timeline rows prove overlap without nsys: CUDA events on the compute stream (each chunk's GEMM)
+and on the copy stream (each pull), relative to the start of the op on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import te_parallel as te  # noqa: E402
+from common import report, time_cuda  # noqa: E402
+from te_parallel import recipe  # noqa: E402
+from te_parallel.fp8.tensor import Float8Tensor  # noqa: E402
+from te_parallel.ops import linear_overlap as ov  # noqa: E402
+from te_parallel.parallel.collectives import all_gather_dim0, reduce_scatter_dim0  # noqa: E402
+
+
+def _max_over_ranks(ms: float) -> float:
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timed(fn, iters=30) -> float:
+    dist.barrier()
+    return _max_over_ranks(time_cuda(fn, warmup=10, iters=iters))
+
+
+def _fp8(t: torch.Tensor) -> Float8Tensor:
+    return Float8Tensor(t.to(torch.float8_e4m3fn), torch.ones((), device=t.device))
+
+
+def ag_cases(ub, group, rank, tp, m, k, n, use_fp8):
+    """Column fprop: gather x [m, k] from every rank, multiply by W [n, k]ᵀ."""
+    x_local = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    xq, wq = (_fp8(x_local), _fp8(w)) if use_fp8 else (x_local, w)
+    x_full = all_gather_dim0(ov._bytes(xq), group)[0]
+    x_full_op = ov._wrap(x_full, xq)
+    out = torch.empty(tp * m, n, device="cuda", dtype=torch.bfloat16)
+
+    def gemm_alone():
+        ov.fprop_into(x_full_op, wq, None, out)
+
+    def sequential():
+        gathered = ov._wrap(all_gather_dim0(ov._bytes(xq), group)[0], xq)
+        ov.fprop_into(gathered, wq, None, out)
+
+    def overlapped():
+        ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False)
+
+    y_ref = torch.empty_like(out)
+    ov.fprop_into(x_full_op, wq, None, y_ref)
+    y = ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False)[0]
+    assert torch.equal(y, y_ref), "overlapped AG+GEMM differs from gather-then-GEMM"
+    return gemm_alone, sequential, overlapped, lambda: _ag_timeline(ub, xq, wq, n, rank, tp)
+
+
+def _ag_timeline(ub, xq, wq, n, rank, tp):
+    ub.transport.timing = True
+    torch.cuda.synchronize()
+    dist.barrier()
+    cur = torch.cuda.current_stream()
+    t0 = _ev(cur)
+    handle = ub.all_gather(ov._bytes(xq), None)
+    out = torch.empty(tp * ov._bytes(xq).shape[0], n, device="cuda", dtype=torch.bfloat16)
+    m = ov._bytes(xq).shape[0]
+    spans = []
+    for k in range(tp):
+        src = (rank + k) % tp
+        a = xq if src == rank else ov._wrap(handle.chunk(src), xq)
+        s = _ev(cur)
+        ov.fprop_into(a, wq, None, out[src * m : (src + 1) * m])
+        spans.append((f"GEMM chunk of rank {src}", s, _ev(cur)))
+    for src, e in handle.events.items():
+        spans.append((f"pull chunk of rank {src} (copy engine)", handle.pull_started[src], e))
+    torch.cuda.synchronize()
+    ub.transport.timing = False
+    return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
+
+
+def _ev(stream):
+    e = torch.cuda.Event(enable_timing=True)
+    e.record(stream)
+    return e
+
+
+def rs_cases(ub, group, rank, tp, m, k, n, use_fp8):
+    """Row fprop: x [tp·m, k] · W [n, k]ᵀ, reduce-scattered to [m, n]."""
+    x = torch.randn(tp * m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    xq, wq = (_fp8(x), _fp8(w)) if use_fp8 else (x, w)
+    out = torch.empty(tp * m, n, device="cuda", dtype=torch.bfloat16)
+
+    def gemm_alone():
+        ov.fprop_into(xq, wq, None, out)
+
+    def sequential():
+        ov.fprop_into(xq, wq, None, out)
+        reduce_scatter_dim0(out, group)
+
+    def overlapped():
+        ov.gemm_rs(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16)
+
+    ov.fprop_into(xq, wq, None, out)
+    ref = reduce_scatter_dim0(out, group)[0]
+    y = ov.gemm_rs(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16)
+    err = (y.float() - ref.float()).abs().max().item()
+    assert err <= 2 ** -6 * ref.float().abs().max().item(), f"overlapped GEMM+RS differs by {err}"
+    return gemm_alone, sequential, overlapped, lambda: _rs_timeline(ub, xq, wq, n, rank, tp)
+
+
+def _rs_timeline(ub, xq, wq, n, rank, tp):
+    ub.transport.timing = True
+    torch.cuda.synchronize()
+    dist.barrier()
+    cur = torch.cuda.current_stream()
+    t0 = _ev(cur)
+    rows = ov._bytes(xq).shape[0]
+    m = rows // tp
+    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda")
+    spans = []
+    for k in range(1, tp + 1):
+        d = (rank + k) % tp
+        s = _ev(cur)
+        ov.fprop_into(ov._rows(xq, d * m, (d + 1) * m), wq, None, rs.slot(d))
+        spans.append((f"GEMM partial for rank {d}", s, _ev(cur)))
+        rs.ready(d)
+    rs.finish(torch.bfloat16)
+    for i, (a, b) in enumerate(rs.pulls):
+        spans.append((f"pull partial {i} (copy engine)", a, b))
+    torch.cuda.synchronize()
+    ub.transport.timing = False
+    return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
+
+
+def layer_rows(ub, group, rank, tp):
+    torch.manual_seed(0)
+    kw = dict(hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32, hidden_dropout=0.0,
+              attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
+              params_dtype=torch.bfloat16, device="cuda")
+    rows = []
+    x = torch.randn(2048 // tp, 4, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    for name, extra in [("no overlap (NCCL)", {}), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub))]:
+        layer = te.TransformerLayer(**kw, **extra)
+
+        def step():
+            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+                y = layer(x)
+            y.backward(dy)
+        ms = _timed(step, iters=20)
+        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, {name}", "ms": ms})
+        del layer
+    rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=4096, help="tokens per rank")
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=6144, help="weight shard rows (column) / inner shard (row)")
+    ap.add_argument("--layer", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    group = dist.new_group(list(range(tp)))
+    ub = te.initialize_ub([tp * args.m, max(args.k, args.n)], group, use_fp8=True, dtype=torch.bfloat16)
+    rows, timelines = [], []
+    for kind, make in (("AG+GEMM", ag_cases), ("GEMM+RS", rs_cases)):
+        for use_fp8 in (False, True):
+            if kind == "AG+GEMM":
+                fns = make(ub, group, rank, tp, args.m, args.k, args.n, use_fp8)
+            else:  # row: x [M, n] · W[k, n]ᵀ -> [M, k] reduce-scattered
+                fns = make(ub, group, rank, tp, args.m, args.n, args.k, use_fp8)
+            alone, seq, ovl, timeline = fns
+            label = f"{kind} {'fp8' if use_fp8 else 'bf16'}"
+            t_alone, t_seq, t_ovl = _timed(alone), _timed(seq), _timed(ovl)
+            rows.append({"case": label, "gemm_alone_ms": t_alone, "sequential_ms": t_seq, "overlap_ms": t_ovl,
+                         "sequential_x": t_seq / t_alone, "overlap_x": t_ovl / t_alone})
+            timelines.append((label, timeline()))
+    layer = layer_rows(ub, group, rank, tp) if args.layer else []
+    if rank == 0:
+        title = (f"TP={tp} comm-GEMM overlap ({ub.transport_name}), per-rank {args.m}x{args.k}, shard "
+                 f"{args.n}x{args.k} (max over ranks of median ms; x = / GEMM alone)")
+        report(title, rows, ["case", "gemm_alone_ms", "sequential_ms", "overlap_ms", "sequential_x", "overlap_x"],
+               args.json)
+        for label, spans in timelines:
+            print(f"\ntimeline {label} (rank 0, ms from op start)")
+            for name, a, b in spans:
+                print(f"  {name:<40} {a:8.3f} .. {b:8.3f}")
+        if layer:
+            report("TransformerLayer (seed config) TP=2+SP FP8", layer, ["case", "ms", "speedup"],
+                   args.json.replace(".json", "_layer.json") if args.json else None)
+        if args.json:
+            import json
+            with open(args.json.replace(".json", "_timeline.json"), "w") as f:
+                json.dump({label: spans for label, spans in timelines}, f, indent=1)
+    ub.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
