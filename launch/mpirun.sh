@@ -27,6 +27,11 @@ if grep -qi "open mpi" <<<"$version"; then
   # runs its own intra-op and data-loader threads; pass the NCCL setting on to remote nodes.
   flags+=(--oversubscribe --bind-to none -x NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
           -x CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}")
+  # Containers often have neither ssh nor rsh; OpenMPI refuses to start without a remote agent even
+  # for ranks on this node only. Name a harmless one (only a multi-node run would need a real one).
+  if ! command -v ssh >/dev/null 2>&1 && ! command -v rsh >/dev/null 2>&1 && [[ -z "${OMPI_MCA_plm_rsh_agent:-}" ]]; then
+    flags+=(--mca plm_rsh_agent false)
+  fi
 fi
 # MPICH / Intel MPI (hydra) run as root and oversubscribe without flags, and pass the environment on.
 # One hardware queue per GPU: collectives are scheduled before the GEMMs they overlap (te_parallel backward).

@@ -58,15 +58,20 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
             out_dtype: torch.dtype, keep_gathered: bool) -> Tuple[torch.Tensor, Optional[Operand]]:
     """(out [tp·m, n_out], the gathered A [tp·m, K] if keep_gathered else None)."""
     tp, me = ub.tp_size, ub.rank
+    if isinstance(a_local, torch.Tensor):
+        a_local = a_local.contiguous()
     local = _bytes(a_local)
     m = local.shape[0]
     full = torch.empty((tp * m, *local.shape[1:]), dtype=local.dtype, device=local.device) if keep_gathered else None
-    handle = ub.all_gather(local, full)
     out = torch.empty((tp * m, n_out), dtype=out_dtype, device=local.device)
-    for k in range(tp):
+    # The own chunk's GEMM is launched first, so the GPU starts multiplying while the host issues
+    # the exchange; the exchange waits only for what preceded that GEMM (a_local is ready).
+    inputs_ready = ub.mark_inputs_ready()
+    gemm_into(a_local, out[me * m : (me + 1) * m])
+    handle = ub.all_gather(local, full, after=inputs_ready)
+    for k in range(1, tp):
         src = (me + k) % tp
-        a = a_local if src == me else _wrap(handle.chunk(src), a_local)
-        gemm_into(a, out[src * m : (src + 1) * m])
+        gemm_into(_wrap(handle.chunk(src), a_local), out[src * m : (src + 1) * m])
     gathered = _wrap(handle.wait(), a_local) if keep_gathered else None
     return out, gathered
 
@@ -78,6 +83,7 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[[Operand, torch.Tensor], No
     rows = _bytes(a_full).shape[0]
     m = rows // tp
     rs = ub.reduce_scatter(rows, n_out, out_dtype, _bytes(a_full).device)
+    rs.start_pulls()  # each pull waits (on the copy stream) for its producer's flag
     for k in range(1, tp + 1):
         d = (me + k) % tp
         a_rows = _rows(a_full, d * m, (d + 1) * m)
@@ -106,7 +112,7 @@ class BulkBackward:
         self.x_like = x_local
         self.gather = None
         if x_local is not None:
-            local = _bytes(x_local)
+            local = _bytes(x_local).contiguous()
             full = torch.empty((ub.tp_size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
             self.gather = ub.all_gather(local, full)
         self.rs = None
@@ -123,6 +129,7 @@ class BulkBackward:
                 dgrad_into(_rows(dy, d * m, (d + 1) * m), w, rs.slot(d))
         for d in range(ub.tp_size):
             rs.ready(d)
+        rs.start_pulls()
         rs.finish(out_dtype, async_op=True)
         self.rs = rs
 

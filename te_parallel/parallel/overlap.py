@@ -99,10 +99,16 @@ class CommOverlap:
             raise ValueError(f"{owner}: ub_comm was initialised for another tp_group; pass the same group to "
                              f"initialize_ub and to the module")
 
-    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor] = None):
-        """Start gathering dim 0; the handle's chunk(src) / wait() give the pieces / the whole."""
+    def mark_inputs_ready(self):
+        """A marker (CUDA event, or None off-GPU) after the work that produced an exchange's input, so
+        work issued between it and `all_gather(after=...)` does not delay the exchange."""
+        return self.transport.mark()
+
+    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor] = None, after=None):
+        """Start gathering dim 0; the handle's chunk(src) / wait() give the pieces / the whole.
+        after: a `mark_inputs_ready()` marker (default: everything issued so far)."""
         self.counts["all_gather"] += 1
-        return self.transport.all_gather(x_local, out)
+        return self.transport.all_gather(x_local, out, after)
 
     def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device):
         """Start a reduce-scatter of [rows, cols] partials; fill slot(d), call ready(d), then finish()."""

@@ -113,8 +113,13 @@ class IpcTransport:
             for p in self._peers():
                 self.comm.wait(self._done(ch, p), gen - 1, stream.cuda_stream)
 
-    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> "IpcAllGather":
-        return IpcAllGather(self, x_local, out)
+    def mark(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> "IpcAllGather":
+        return IpcAllGather(self, x_local, out, after)
 
     def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device) -> "IpcReduceScatter":
         return IpcReduceScatter(self, rows, cols, dtype)
@@ -128,15 +133,23 @@ class IpcAllGather:
     """All chunks are pulled on the AG stream at construction; `chunk(src)` makes the current stream
     wait for src's chunk only, so the caller's GEMM on chunk k overlaps the pull of chunk k+1."""
 
-    def __init__(self, t: IpcTransport, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    def __init__(self, t: IpcTransport, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> None:
         m = x_local.shape[0]
-        self.t, self.m, self.x_local = t, m, x_local.contiguous()
+        if not x_local.is_contiguous():
+            raise ValueError("comm-GEMM overlap: the all-gather input must be contiguous")
+        self.t, self.m, self.x_local = t, m, x_local
         nbytes = _check_gather(t, self.x_local)
-        self.out = out if out is not None else torch.empty((t.tp * m, *x_local.shape[1:]), dtype=x_local.dtype,
-                                                           device=x_local.device)
         t.gen[AG] += 1
         gen, cur, s = t.gen[AG], torch.cuda.current_stream(t.device), t.streams[AG]
-        s.wait_stream(cur)  # x_local and out are ready / allocated
+        if after is None:
+            s.wait_stream(cur)  # x_local is ready
+        else:
+            s.wait_event(after)
+        if out is None:  # allocated for the copy stream (it writes first); the caller's stream reads later
+            with torch.cuda.stream(s):
+                out = torch.empty((t.tp * m, *x_local.shape[1:]), dtype=x_local.dtype, device=x_local.device)
+            out.record_stream(cur)
+        self.out = out  # a caller's `out` must have been allocated before `after` was marked
         self.events: Dict[int, torch.cuda.Event] = {}
         comm, sp = t.comm, s.cuda_stream
         t._wait_consumers(AG, gen, s)
@@ -201,35 +214,48 @@ class IpcReduceScatter:
             self.t.comm.signal(d, self.t._ready(RS, self.t.rank), self.gen,
                                torch.cuda.current_stream(self.t.device).cuda_stream)
 
-    def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> torch.Tensor:
-        """[m, cols] sum of the partials for this rank. async_op: the pulls and the sum run on the RS
-        stream; call `wait()` before using the result on the current stream."""
+    def start_pulls(self) -> None:
+        """Issue, on the RS stream, the pulls of the partials meant for this rank; each waits for its
+        producer's ready flag, so they can be issued before the GEMMs that produce them."""
         t, comm = self.t, self.t.comm
-        s, cur = t.streams[RS], torch.cuda.current_stream(t.device)
-        s.wait_stream(cur)
-        received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
-        out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
-        parts = {t.rank: self._own_slot(t.rank)}
-        sp = s.cuda_stream
+        s = t.streams[RS]
+        with torch.cuda.stream(s):  # memory owned by the copy stream (it writes first)
+            self.received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
+        self.parts = {t.rank: self._own_slot(t.rank)}
         self.pulls = []  # (started, ended) events when t.timing
+        sp = s.cuda_stream
         for k, src in enumerate(reversed(t._peers())):  # me-1, me-2, ...: the rank that computed my chunk at step k
             comm.wait(t._ready(RS, src), self.gen, sp)
             started = _event(s, True) if t.timing else None
-            comm.copy(received[k].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
+            comm.copy(self.received[k].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
             comm.signal(src, t._done(RS, t.rank), self.gen, sp)
             if t.timing:
                 self.pulls.append((started, _event(s, True)))
-            parts[src] = received[k]
-        ordered = [parts[r] for r in range(t.tp)]
-        with torch.cuda.stream(s):
-            _native.load().reduce_sum([p.data_ptr() for p in ordered], _TEP_DTYPES[self.dtype], out.data_ptr(),
-                                      _TEP_DTYPES[out_dtype], out.numel(), sp)
-        received.record_stream(s)
-        out.record_stream(s)
+            self.parts[src] = self.received[k]
+
+    def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> torch.Tensor:
+        """[m, cols] sum of the partials for this rank (after `start_pulls`), in fp32 in rank order.
+        async_op: the sum runs on the RS stream; call `wait()` before using it on the current stream."""
+        t = self.t
+        s, cur = t.streams[RS], torch.cuda.current_stream(t.device)
+        ordered = [self.parts[r] for r in range(t.tp)]
+        if async_op:  # bulk: the sum joins the pulls on the RS stream, off the GEMMs' stream
+            s.wait_stream(cur)  # own partial written
+            with torch.cuda.stream(s):
+                out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
+                self._sum(ordered, out, s)
+            out.record_stream(cur)
+        else:
+            cur.wait_stream(s)  # pulls done
+            out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
+            self._sum(ordered, out, cur)
+        self.received.record_stream(cur)
         self.out = out
-        if not async_op:
-            cur.wait_stream(s)
         return out
+
+    def _sum(self, parts, out, stream) -> None:
+        _native.load().reduce_sum([p.data_ptr() for p in parts], _TEP_DTYPES[self.dtype], out.data_ptr(),
+                                  _TEP_DTYPES[out.dtype], out.numel(), stream.cuda_stream)
 
     def wait(self) -> torch.Tensor:
         torch.cuda.current_stream(self.t.device).wait_stream(self.t.streams[RS])
@@ -249,7 +275,10 @@ class P2PTransport:
     def _peers(self):
         return [(self.rank + k) % self.tp for k in range(1, self.tp)]
 
-    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor]) -> "P2PAllGather":
+    def mark(self) -> None:
+        return None
+
+    def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> "P2PAllGather":
         return P2PAllGather(self, x_local, out)
 
     def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device) -> "P2PReduceScatter":
@@ -308,6 +337,9 @@ class P2PReduceScatter:
 
     def full(self) -> torch.Tensor:
         return self.partials
+
+    def start_pulls(self) -> None:
+        """Receives are posted with each send in `ready` (P2P pairs them step by step)."""
 
     def ready(self, d: int) -> None:
         t = self.t
