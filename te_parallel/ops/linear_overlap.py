@@ -83,12 +83,13 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[[Operand, torch.Tensor], No
     rows = _bytes(a_full).shape[0]
     m = rows // tp
     rs = ub.reduce_scatter(rows, n_out, out_dtype, _bytes(a_full).device)
-    rs.start_pulls()  # each pull waits (on the copy stream) for its producer's flag
     for k in range(1, tp + 1):
         d = (me + k) % tp
         a_rows = _rows(a_full, d * m, (d + 1) * m)
         gemm_into(a_rows, rs.slot(d))
         rs.ready(d)
+        if k < tp:  # pull what rank me-k computed for me at its step k, under the next GEMM
+            rs.pull_step(k)
     return rs.finish(out_dtype)
 
 

@@ -195,6 +195,7 @@ class IpcReduceScatter:
         self.gen = t.gen[RS]
         t._wait_consumers(RS, self.gen, torch.cuda.current_stream(t.device))  # GEMMs write the send slots next
         self.partials = self.t._own_view(RS, t.tp * t.chunk_bytes)
+        self.received, self.parts, self.pulls = None, {t.rank: self._own_slot(t.rank)}, []
 
     def _own_slot(self, d: int) -> torch.Tensor:
         start = d * self.stride
@@ -214,29 +215,37 @@ class IpcReduceScatter:
             self.t.comm.signal(d, self.t._ready(RS, self.t.rank), self.gen,
                                torch.cuda.current_stream(self.t.device).cuda_stream)
 
-    def start_pulls(self) -> None:
-        """Issue, on the RS stream, the pulls of the partials meant for this rank; each waits for its
-        producer's ready flag, so they can be issued before the GEMMs that produce them."""
+    def pull_step(self, k: int) -> None:
+        """Issue, on the RS stream, the pull of the partial that rank me-k computed for this rank at its
+        step k (1 <= k < tp). It waits for that rank's ready flag, so issue it only after this rank's own
+        step-k GEMM and ready(): with CUDA_DEVICE_MAX_CONNECTIONS=1 all streams share one hardware queue
+        and a stream wait blocks everything issued after it, including work a peer is waiting for."""
         t, comm = self.t, self.t.comm
         s = t.streams[RS]
-        with torch.cuda.stream(s):  # memory owned by the copy stream (it writes first)
-            self.received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
-        self.parts = {t.rank: self._own_slot(t.rank)}
-        self.pulls = []  # (started, ended) events when t.timing
-        sp = s.cuda_stream
-        for k, src in enumerate(reversed(t._peers())):  # me-1, me-2, ...: the rank that computed my chunk at step k
-            comm.wait(t._ready(RS, src), self.gen, sp)
-            started = _event(s, True) if t.timing else None
-            comm.copy(self.received[k].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
-            comm.signal(src, t._done(RS, t.rank), self.gen, sp)
-            if t.timing:
-                self.pulls.append((started, _event(s, True)))
-            self.parts[src] = self.received[k]
+        if self.received is None:
+            with torch.cuda.stream(s):  # memory owned by the copy stream (it writes first)
+                self.received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
+        src, sp = (t.rank - k) % t.tp, s.cuda_stream
+        if src in self.parts:
+            return
+        comm.wait(t._ready(RS, src), self.gen, sp)
+        started = _event(s, True) if t.timing else None
+        comm.copy(self.received[k - 1].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
+        comm.signal(src, t._done(RS, t.rank), self.gen, sp)
+        if t.timing:
+            self.pulls.append((started, _event(s, True)))
+        self.parts[src] = self.received[k - 1]
+
+    def start_pulls(self) -> None:
+        """All pulls (after every ready(d) of this rank has been issued)."""
+        for k in range(1, self.t.tp):
+            self.pull_step(k)
 
     def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> torch.Tensor:
         """[m, cols] sum of the partials for this rank (after `start_pulls`), in fp32 in rank order.
         async_op: the sum runs on the RS stream; call `wait()` before using it on the current stream."""
         t = self.t
+        self.start_pulls()  # any step not pulled yet (each step is issued once)
         s, cur = t.streams[RS], torch.cuda.current_stream(t.device)
         ordered = [self.parts[r] for r in range(t.tp)]
         if async_op:  # bulk: the sum joins the pulls on the RS stream, off the GEMMs' stream
@@ -338,8 +347,11 @@ class P2PReduceScatter:
     def full(self) -> torch.Tensor:
         return self.partials
 
-    def start_pulls(self) -> None:
+    def pull_step(self, k: int) -> None:
         """Receives are posted with each send in `ready` (P2P pairs them step by step)."""
+
+    def start_pulls(self) -> None:
+        pass
 
     def ready(self, d: int) -> None:
         t = self.t
