@@ -48,6 +48,25 @@ def _timed(fn, iters=30) -> float:
     return _max_over_ranks(time_cuda(loop, warmup=1, iters=5) / iters)
 
 
+def _synced(fn) -> float:
+    """Milliseconds of one call with the GPU idle before it (host issue latency included)."""
+    dist.barrier()
+    return _max_over_ranks(time_cuda(fn, warmup=5, iters=20))
+
+
+def _host_us(fn, iters=20) -> float:
+    """Host microseconds to issue one call (no synchronisation inside the loop)."""
+    import time
+    torch.cuda.synchronize()
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t) / iters * 1e6
+    torch.cuda.synchronize()
+    return _max_over_ranks(host)
+
+
 def _fp8(t: torch.Tensor) -> Float8Tensor:
     return Float8Tensor(t.to(torch.float8_e4m3fn), torch.ones((), device=t.device))
 
@@ -79,23 +98,32 @@ def ag_cases(ub, group, rank, tp, m, k, n, use_fp8):
 
 
 def _ag_timeline(ub, xq, wq, n, rank, tp):
+    """The events of one ov.ag_gemm call (the same code path as the timed rows)."""
     ub.transport.timing = True
     torch.cuda.synchronize()
     dist.barrier()
     cur = torch.cuda.current_stream()
-    t0 = _ev(cur)
-    handle = ub.all_gather(ov._bytes(xq), None)
-    out = torch.empty(tp * ov._bytes(xq).shape[0], n, device="cuda", dtype=torch.bfloat16)
-    m = ov._bytes(xq).shape[0]
-    spans = []
-    for k in range(tp):
-        src = (rank + k) % tp
-        a = xq if src == rank else ov._wrap(handle.chunk(src), xq)
+    spans, handles = [], []
+    real_all_gather = ub.all_gather
+
+    def traced_all_gather(*a, **k):
+        h = real_all_gather(*a, **k)
+        handles.append(h)
+        return h
+
+    def traced_gemm(a, out):
         s = _ev(cur)
-        ov.fprop_into(a, wq, None, out[src * m : (src + 1) * m])
-        spans.append((f"GEMM chunk of rank {src}", s, _ev(cur)))
-    for src, e in handle.events.items():
-        spans.append((f"pull chunk of rank {src} (copy engine)", handle.pull_started[src], e))
+        ov.fprop_into(a, wq, None, out)
+        spans.append((f"GEMM chunk {len(spans)}", s, _ev(cur)))
+
+    ub.all_gather = traced_all_gather
+    t0 = _ev(cur)
+    try:
+        ov.ag_gemm(ub, xq, traced_gemm, n, torch.bfloat16, keep_gathered=False)
+    finally:
+        del ub.all_gather
+    for src, e in handles[0].events.items():
+        spans.append((f"pull chunk of rank {src} (copy engine)", handles[0].pull_started[src], e))
     torch.cuda.synchronize()
     ub.transport.timing = False
     return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
@@ -172,7 +200,8 @@ def layer_rows(ub, group, rank, tp):
                 y = layer(x)
             y.backward(dy)
         ms = _timed(step, iters=10)
-        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, {name}", "ms": ms})
+        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, {name}", "ms": ms,
+                     "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3})
         del layer
     rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
     return rows
@@ -203,7 +232,9 @@ def main() -> None:
             label = f"{kind} {'fp8' if use_fp8 else 'bf16'}"
             t_alone, t_seq, t_ovl = _timed(alone), _timed(seq), _timed(ovl)
             rows.append({"case": label, "gemm_alone_ms": t_alone, "sequential_ms": t_seq, "overlap_ms": t_ovl,
-                         "sequential_x": t_seq / t_alone, "overlap_x": t_ovl / t_alone})
+                         "sequential_x": t_seq / t_alone, "overlap_x": t_ovl / t_alone,
+                         "overlap_synced_ms": _synced(ovl), "seq_synced_ms": _synced(seq),
+                         "overlap_host_us": _host_us(ovl), "seq_host_us": _host_us(seq)})
             for _ in range(3):  # the last of three (warm clocks and caches)
                 spans = timeline()
             timelines.append((label, spans))
@@ -211,14 +242,14 @@ def main() -> None:
     if rank == 0:
         title = (f"TP={tp} comm-GEMM overlap ({ub.transport_name}), per-rank {args.m}x{args.k}, shard "
                  f"{args.n}x{args.k} (max over ranks of median ms; x = / GEMM alone)")
-        report(title, rows, ["case", "gemm_alone_ms", "sequential_ms", "overlap_ms", "sequential_x", "overlap_x"],
-               args.json)
+        report(title, rows, ["case", "gemm_alone_ms", "sequential_ms", "overlap_ms", "sequential_x", "overlap_x",
+                             "seq_synced_ms", "overlap_synced_ms", "seq_host_us", "overlap_host_us"], args.json)
         for label, spans in timelines:
             print(f"\ntimeline {label} (rank 0, ms from op start)")
             for name, a, b in spans:
                 print(f"  {name:<40} {a:8.3f} .. {b:8.3f}")
         if layer:
-            report("TransformerLayer (seed config) TP=2+SP FP8", layer, ["case", "ms", "speedup"],
+            report("TransformerLayer (seed config) TP=2+SP FP8", layer, ["case", "ms", "speedup", "synced_ms", "host_ms"],
                    args.json.replace(".json", "_layer.json") if args.json else None)
         if args.json:
             import json
