@@ -122,8 +122,8 @@ def _ag_timeline(ub, xq, wq, n, rank, tp):
         ov.ag_gemm(ub, xq, traced_gemm, n, torch.bfloat16, keep_gathered=False)
     finally:
         del ub.all_gather
-    for src, e in handles[0].events.items():
-        spans.append((f"pull chunk of rank {src} (copy engine)", handles[0].pull_started[src], e))
+    for dst, e in handles[0].events.items():
+        spans.append((f"push own chunk to rank {dst} (copy engine)", handles[0].push_started[dst], e))
     torch.cuda.synchronize()
     ub.transport.timing = False
     return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]

@@ -5,95 +5,17 @@
 // a fixed order.
 #include "activation.cuh"
 
-namespace {
-
 namespace tile = tep::tile;
 namespace act = tep::act;
 
-struct BwdParams {
-  const void* dy;    // [rows, n]
-  const void* x;     // [rows, ld_x], ld_x = 2n if gated else n
-  const void* bias;  // [ld_x] or NULL
-  void* dx;          // [rows, ld_x] or NULL
-  uint8_t* fp8;      // [rows, ld_x] or NULL
-  uint8_t* fp8_t;    // [ld_x, rows] or NULL
-  const float* scale;
-  float* amax;
-  float* ws;  // [row tiles, ld_x] partial column sums, or NULL (no dbias)
-  int64_t rows, n;
-  bool vec_in, vec_out, vec_fp8, vec_fp8_t;
-};
+namespace tep {
+namespace act {
+template tep_status launch_bwd<__half>(int, const BwdParams&, dim3, cudaStream_t);
+template tep_status launch_bwd<__nv_bfloat16>(int, const BwdParams&, dim3, cudaStream_t);
+}  // namespace act
+}  // namespace tep
 
-// Writes the rounded dx sub-tile `v` of the column segment starting at `col_off` (0, or n for the
-// gate half of a gated activation) to every requested output; returns the updated |dx| maximum.
-template <class C>
-__device__ __forceinline__ float emit(const BwdParams& p, float (&v)[tile::kSub][tile::kSub], int64_t rt, int64_t r0,
-                                      int64_t c0, int64_t col_off, float scale, float local_max) {
-  using T = typename C::T;
-  const int64_t rows = p.rows, n = p.n, ld_x = C::kGated ? 2 * n : n;
-  tile::zero_outside(v, rows, r0, c0, n);
-  if (p.dx != nullptr) tile::store_tile(static_cast<T*>(p.dx) + col_off, rows, ld_x, r0, c0, n, p.vec_out, v);
-  if (p.fp8 != nullptr || p.fp8_t != nullptr) {
-    tile::store_fp8_tile<C::kFmt>(v, scale, p.fp8 == nullptr ? nullptr : p.fp8 + col_off,
-                                  p.fp8_t == nullptr ? nullptr : p.fp8_t + col_off * rows, rows, ld_x, r0, c0, n,
-                                  p.vec_fp8, p.vec_fp8_t);
-  }
-  if (p.ws != nullptr) {
-    tile::block_colsum(v, p.ws + rt * ld_x + col_off, static_cast<int64_t>(blockIdx.x) * tile::kBlockCols, n);
-  }
-  return tile::abs_max(v, local_max);
-}
-
-template <class C>
-__global__ void __launch_bounds__(tile::kThreads) dbias_dact_kernel(const BwdParams p) {
-  using T = typename C::T;
-  constexpr bool kAccurate = sizeof(T) == 4;
-  const T* dy = static_cast<const T*>(p.dy);
-  const T* x = static_cast<const T*>(p.x);
-  const T* bias = static_cast<const T*>(p.bias);
-  const int64_t rows = p.rows, n = p.n, ld_x = C::kGated ? 2 * n : n;
-  const float scale = (p.fp8 != nullptr || p.fp8_t != nullptr) ? *p.scale : 1.f;
-  const int64_t c0 = tile::thread_pos(0).c0;
-  float bias_a[tile::kSub], bias_b[tile::kSub];
-  tile::load_vec(bias, c0, n, p.vec_in, bias_a);
-  if constexpr (C::kGated) tile::load_vec(bias == nullptr ? nullptr : bias + n, c0, n, p.vec_in, bias_b);
-  const int64_t row_tiles = (rows + tile::kBlockRows - 1) / tile::kBlockRows;
-  float local_max = 0.f;
-  for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
-    const int64_t r0 = tile::thread_pos(rt).r0;
-    float d[tile::kSub][tile::kSub], a[tile::kSub][tile::kSub];
-    tile::load_tile(dy, rows, n, r0, c0, n, p.vec_in, d);
-    tile::load_tile(x, rows, ld_x, r0, c0, n, p.vec_in, a);
-    if constexpr (C::kGated) {
-      float b[tile::kSub][tile::kSub];
-      tile::load_tile(x + n, rows, ld_x, r0, c0, n, p.vec_in, b);
-#pragma unroll
-      for (int i = 0; i < tile::kSub; ++i) {
-#pragma unroll
-        for (int k = 0; k < tile::kSub; ++k) {
-          float y, dydv;
-          C::Base::template both<kAccurate>(a[i][k] + bias_a[k], y, dydv);
-          a[i][k] = tile::round_to<T>(dydv * (b[i][k] + bias_b[k]) * d[i][k]);  // d/da
-          b[i][k] = tile::round_to<T>(y * d[i][k]);                             // d/db
-        }
-      }
-      local_max = emit<C>(p, a, rt, r0, c0, 0, scale, local_max);
-      local_max = emit<C>(p, b, rt, r0, c0, n, scale, local_max);
-    } else {
-#pragma unroll
-      for (int i = 0; i < tile::kSub; ++i) {
-#pragma unroll
-        for (int k = 0; k < tile::kSub; ++k) {
-          float y, dydv;
-          C::Base::template both<kAccurate>(a[i][k] + bias_a[k], y, dydv);
-          a[i][k] = tile::round_to<T>(dydv * d[i][k]);
-        }
-      }
-      local_max = emit<C>(p, a, rt, r0, c0, 0, scale, local_max);
-    }
-  }
-  if (p.amax != nullptr) tile::block_amax_atomic(local_max, p.amax);
-}
+namespace {
 
 // dbias[c] = sum over row tiles of ws[rt, c]: 32 columns x 8 row-tile strides per block, then the 8
 // partials of a column in order. Deterministic.
@@ -159,7 +81,7 @@ extern "C" tep_status tep_dbias_dactivation(int a, const void* dy, const void* x
       return TEP_ERROR_INVALID_ARGUMENT;
     }
   }
-  BwdParams p{};
+  act::BwdParams p{};
   p.dy = dy;
   p.x = x;
   p.bias = bias;
@@ -171,6 +93,7 @@ extern "C" tep_status tep_dbias_dactivation(int a, const void* dy, const void* x
   p.ws = dbias == nullptr ? nullptr : static_cast<float*>(workspace);
   p.rows = rows;
   p.n = act::gated(a) ? cols / 2 : cols;
+  p.e5m2 = fp8 != nullptr && fp8->dtype == TEP_FLOAT8_E5M2;
   const bool n8 = p.n % tile::kSub == 0;
   p.vec_in = n8 && tile::aligned(dy, 16) && tile::aligned(x, 16) && (bias == nullptr || tile::aligned(bias, 16));
   p.vec_out = n8 && (dx == nullptr || tile::aligned(dx, 16));
@@ -178,10 +101,12 @@ extern "C" tep_status tep_dbias_dactivation(int a, const void* dy, const void* x
   p.vec_fp8_t = rows % tile::kSub == 0 && (p.fp8_t == nullptr || tile::aligned(p.fp8_t, 8));
   const dim3 grid(static_cast<unsigned>((p.n + tile::kBlockCols - 1) / tile::kBlockCols), tile::grid_y(rows));
   auto s = static_cast<cudaStream_t>(stream);
-  const tep_status status = act::dispatch(a, x_dtype, fp8 == nullptr ? TEP_FLOAT8_E4M3 : fp8->dtype, [&](auto config) {
-    dbias_dact_kernel<decltype(config)><<<grid, tile::kThreads, 0, s>>>(p);
-    return act::launch_status(kWhere, rows, cols);
-  });
+  tep_status status;
+  switch (x_dtype) {
+    case TEP_FLOAT32: status = act::launch_bwd<float>(a, p, grid, s); break;
+    case TEP_FLOAT16: status = act::launch_bwd<__half>(a, p, grid, s); break;
+    default: status = act::launch_bwd<__nv_bfloat16>(a, p, grid, s); break;
+  }
   if (status != TEP_SUCCESS || dbias == nullptr) return status;
   return finalize(p.ws, rows, cols, dbias, dbias_dtype, s);
 }

@@ -22,8 +22,27 @@ namespace {
 
 namespace tile = tep::tile;
 
+// Edge sub-tiles and unaligned layouts: one element at a time (same conversion as the fast path).
 template <typename T, __nv_fp8_interpretation_t kFmt>
-__global__ void __launch_bounds__(tile::kThreads, 4) cast_transpose_kernel(  // <= 128 registers
+__device__ __forceinline__ float cast_partial(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t r0,
+                                              int64_t c0, float scale, uint8_t* __restrict__ out,
+                                              uint8_t* __restrict__ out_t, float m) {
+#pragma unroll 1
+  for (int64_t r = r0; r < r0 + tile::kSub && r < rows; ++r) {
+#pragma unroll 1
+    for (int64_t c = c0; c < c0 + tile::kSub && c < cols; ++c) {
+      const float v = tile::to_float(x[r * cols + c]);
+      const uint8_t q = tile::fp8_byte<kFmt>(v * scale);
+      if (out != nullptr) out[r * cols + c] = q;
+      if (out_t != nullptr) out_t[c * rows + r] = q;
+      m = tile::nan_max(m, fabsf(v));
+    }
+  }
+  return m;
+}
+
+template <typename T, __nv_fp8_interpretation_t kFmt>
+__global__ void __launch_bounds__(tile::kThreads) cast_transpose_kernel(
     const T* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale_ptr,
     uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax_out, bool vec_in,
     bool vec_out, bool vec_out_t) {
@@ -32,10 +51,21 @@ __global__ void __launch_bounds__(tile::kThreads, 4) cast_transpose_kernel(  // 
   float local_max = 0.f;
   for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
     const tile::Pos p = tile::thread_pos(rt);
-    float v[tile::kSub][tile::kSub];
-    tile::load_tile(x, rows, cols, p.r0, p.c0, cols, vec_in, v);  // 0 outside the matrix
-    local_max = tile::abs_max(v, local_max);
-    tile::store_fp8_tile<kFmt>(v, scale, out, out_t, rows, cols, p.r0, p.c0, cols, vec_out, vec_out_t);
+    if (vec_in && tile::full_tile(rows, p.r0, p.c0, cols)) {
+      tile::Raw8<T> raw[tile::kSub];
+      tile::load_rows(x, cols, p.r0, p.c0, raw);
+      float v[tile::kSub][tile::kSub];
+#pragma unroll
+      for (int i = 0; i < tile::kSub; ++i)
+#pragma unroll
+        for (int k = 0; k < tile::kSub; ++k) v[i][k] = raw[i][k];
+      local_max = tile::abs_max(v, local_max);
+      uint32_t w[tile::kSub][2];
+      tile::pack_fp8<kFmt>(v, scale, w);
+      tile::store_fp8_full(w, out, out_t, rows, cols, p.r0, p.c0, vec_out, vec_out_t);
+    } else {
+      local_max = cast_partial<T, kFmt>(x, rows, cols, p.r0, p.c0, scale, out, out_t, local_max);
+    }
   }
   if (amax_out != nullptr) tile::block_amax_atomic(local_max, amax_out);
 }

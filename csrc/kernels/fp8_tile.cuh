@@ -4,14 +4,18 @@
 // Layout. A block of 128 threads (4 warps) covers a 64-row x 128-column tile of the "iteration"
 // matrix; warp w covers rows 32*(w/2).. and columns 64*(w%2)..; lane l covers the 8x8 sub-tile at rows
 // 8*(l/8).., columns 8*(l%8).. of its warp. So one warp instruction
-//   - reads 4 rows x 8 threads x 16 B = 4 full 128-byte lines of a 2-byte input (8 loads per thread,
-//     128 B in flight per thread),
+//   - reads 4 rows x 8 threads x 16 B = 4 full 128-byte lines of a 2-byte input (8 loads per thread
+//     and input, 128 B in flight per thread),
 //   - writes 4 rows x 64 B of the row-major FP8 output (8-byte stores),
 //   - writes 8 rows x 32 B of the transposed FP8 output (8-byte stores of 8 consecutive rows of one
 //     column: the 8x8 byte block is transposed in registers with byte permutes),
 // so every 32-byte sector it touches is used whole, without staging through shared memory.
-// Partial sub-tiles (right / bottom edges) and unaligned layouts take guarded element-wise paths that
-// compute the same values, so the result never depends on which path ran.
+//
+// Two paths per sub-tile. Full sub-tiles of a vector-aligned layout take the unrolled fast path
+// (16-byte loads kept as raw vectors until used, packed FP8 words). Sub-tiles on the right / bottom
+// edge, or layouts that are not 16-byte aligned, take a rolled element-by-element loop (small code,
+// few registers); it computes every element with the same instructions, so the bytes never depend on
+// which path ran.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,19 +24,18 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace tep {
 namespace tile {
 
-constexpr int kSub = 8;          // a thread's sub-tile is kSub x kSub
-constexpr int kThreads = 128;    // threads per block
-constexpr int kBlockRows = 64;   // block tile
+constexpr int kSub = 8;           // a thread's sub-tile is kSub x kSub
+constexpr int kThreads = 128;     // threads per block
+constexpr int kBlockRows = 64;    // block tile
 constexpr int kBlockCols = 128;
 constexpr int kMaxGridY = 65535;  // blocks stride over row tiles beyond this
 static_assert(kThreads == kBlockCols, "block_colsum gives each thread one column");
 static_assert(kThreads == 128 && kBlockRows == 64 && kBlockCols == 128, "thread_pos assumes 2x2 warps of 4x8 lanes");
-
-using Tile = float[kSub][kSub];
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
@@ -50,6 +53,13 @@ __device__ __forceinline__ Pos thread_pos(int64_t row_tile) {
   return {row_tile * kBlockRows + (warp >> 1) * 32 + (lane >> 3) * kSub,
           static_cast<int64_t>(blockIdx.x) * kBlockCols + (warp & 1) * 64 + (lane & 7) * kSub};
 }
+
+__device__ __forceinline__ bool full_tile(int64_t rows, int64_t r0, int64_t c0, int64_t c_end) {
+  return r0 + kSub <= rows && c0 + kSub <= c_end;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element conversions
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -72,103 +82,138 @@ __device__ __forceinline__ float round_to(float v) {
 
 __device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// 8 consecutive elements; p must be 16-byte aligned (checked by the launcher).
-template <typename T>
-__device__ __forceinline__ void load8(const T* __restrict__ p, float (&v)[kSub]) {
-  if constexpr (sizeof(T) == 2) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kSub; ++k) v[k] = to_float(e[k]);
-  } else {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  }
+// fp8 byte of v: round-to-nearest-even, saturating to ±max finite, NaN stays NaN (the conversion
+// instruction of sm_89+, the same one the packed fp8x4 below uses).
+template <__nv_fp8_interpretation_t kFmt>
+__device__ __forceinline__ uint8_t fp8_byte(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFmt));
+}
+__device__ __forceinline__ uint8_t fp8_byte(float v, bool e5m2) {
+  return e5m2 ? fp8_byte<__NV_E5M2>(v) : fp8_byte<__NV_E4M3>(v);
 }
 
-// The first n (<= 0 allowed) of 8 consecutive elements; the rest read as 0.
-template <typename T>
-__device__ __forceinline__ void load8_guarded(const T* __restrict__ p, int64_t n, float (&v)[kSub]) {
-#pragma unroll
-  for (int k = 0; k < kSub; ++k) v[k] = k < n ? to_float(p[k]) : 0.f;
-}
-
-// 8 consecutive elements; p must be 16-byte aligned.
-template <typename T>
-__device__ __forceinline__ void store8(T* __restrict__ p, const float (&v)[kSub]) {
-  if constexpr (sizeof(T) == 2) {
-    uint4 raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kSub; ++k) e[k] = from_float<T>(v[k]);
-    *reinterpret_cast<uint4*>(p) = raw;
-  } else {
-    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  }
-}
-
-// Rows r0.. r0+7, columns c0.. c0+7 of a row-major matrix with leading dimension ld whose valid part
-// is [rows, c_end); elements outside read as 0. vec: 16-byte loads allowed (ld % 8 == 0, aligned base).
-template <typename T>
-__device__ __forceinline__ void load_tile(const T* __restrict__ src, int64_t rows, int64_t ld, int64_t r0,
-                                          int64_t c0, int64_t c_end, bool vec, Tile& v) {
-  if (vec && r0 + kSub <= rows && c0 + kSub <= c_end) {
-#pragma unroll
-    for (int i = 0; i < kSub; ++i) load8(src + (r0 + i) * ld + c0, v[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kSub; ++i) load8_guarded(src + (r0 + i) * ld + c0, r0 + i < rows ? c_end - c0 : 0, v[i]);
-  }
-}
-
-// 8 entries of a vector (e.g. a bias) from c0, 0 beyond c_end or when p is NULL.
-template <typename T>
-__device__ __forceinline__ void load_vec(const T* __restrict__ p, int64_t c0, int64_t c_end, bool vec,
-                                         float (&v)[kSub]) {
-  if (p == nullptr) {
-#pragma unroll
-    for (int k = 0; k < kSub; ++k) v[k] = 0.f;
-  } else if (vec && c0 + kSub <= c_end) {
-    load8(p + c0, v);
-  } else {
-    load8_guarded(p + c0, c_end - c0, v);
-  }
-}
-
-// Sets the elements of the sub-tile outside [rows, c_end) to 0 (so they add nothing to amax / sums).
-__device__ __forceinline__ void zero_outside(Tile& v, int64_t rows, int64_t r0, int64_t c0, int64_t c_end) {
-  if (r0 + kSub <= rows && c0 + kSub <= c_end) return;
-#pragma unroll
-  for (int i = 0; i < kSub; ++i)
-#pragma unroll
-    for (int k = 0; k < kSub; ++k)
-      if (r0 + i >= rows || c0 + k >= c_end) v[i][k] = 0.f;
-}
-
-template <typename T>
-__device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t rows, int64_t ld, int64_t r0, int64_t c0,
-                                           int64_t c_end, bool vec, const Tile& v) {
-  if (vec && r0 + kSub <= rows && c0 + kSub <= c_end) {
-#pragma unroll
-    for (int i = 0; i < kSub; ++i) store8(dst + (r0 + i) * ld + c0, v[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kSub; ++i)
-#pragma unroll
-      for (int k = 0; k < kSub; ++k)
-        if (r0 + i < rows && c0 + k < c_end) dst[(r0 + i) * ld + c0 + k] = from_float<T>(v[i][k]);
-  }
-}
-
-// fp8 bytes of (a, b, c, d), a in the lowest byte; round-to-nearest-even, saturating to ±max finite,
-// NaN stays NaN (the one conversion instruction of sm_89+; identical to __nv_cvt_float_to_fp8).
+// fp8 bytes of (a, b, c, d), a in the lowest byte.
 template <__nv_fp8_interpretation_t kFmt>
 __device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
   return lo | (hi << 16);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Raw 16-byte vectors: 8 elements as loaded, converted to float only where used (keeps 2-byte
+// inputs packed two per register).
+
+template <typename T>
+struct Raw8 {  // 2-byte types
+  uint4 u;
+  __device__ __forceinline__ float operator[](int k) const {
+    const uint32_t w = (k >> 1) == 0 ? u.x : (k >> 1) == 1 ? u.y : (k >> 1) == 2 ? u.z : u.w;
+    const uint16_t h = static_cast<uint16_t>((k & 1) ? (w >> 16) : (w & 0xffffu));
+    if constexpr (std::is_same<T, __half>::value) {
+      return __half2float(__ushort_as_half(h));
+    } else {
+      return __uint_as_float(static_cast<uint32_t>(h) << 16);  // bf16 -> fp32 is exact: the high half
+    }
+  }
+};
+template <>
+struct Raw8<float> {
+  float4 a, b;
+  __device__ __forceinline__ float operator[](int k) const {
+    switch (k) {
+      case 0: return a.x;
+      case 1: return a.y;
+      case 2: return a.z;
+      case 3: return a.w;
+      case 4: return b.x;
+      case 5: return b.y;
+      case 6: return b.z;
+      default: return b.w;
+    }
+  }
+};
+
+// p must be 16-byte aligned (checked by the launcher).
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw(const T* __restrict__ p) {
+  Raw8<T> r;
+  if constexpr (sizeof(T) == 2) {
+    r.u = *reinterpret_cast<const uint4*>(p);
+  } else {
+    r.a = reinterpret_cast<const float4*>(p)[0];
+    r.b = reinterpret_cast<const float4*>(p)[1];
+  }
+  return r;
+}
+
+// Rows r0..r0+7 at columns c0..c0+7 of a matrix with leading dimension ld (fast path: in bounds).
+template <typename T>
+__device__ __forceinline__ void load_rows(const T* __restrict__ src, int64_t ld, int64_t r0, int64_t c0,
+                                          Raw8<T> (&raw)[kSub]) {
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) raw[i] = load_raw(src + (r0 + i) * ld + c0);
+}
+
+// 8 entries of a vector (e.g. a bias) from c0: 0 beyond c_end or when p is NULL.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, int64_t c0, int64_t c_end, bool vec,
+                                         float (&v)[kSub]) {
+  if (p != nullptr && vec && c0 + kSub <= c_end) {
+    const Raw8<T> r = load_raw(p + c0);
+#pragma unroll
+    for (int k = 0; k < kSub; ++k) v[k] = r[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSub; ++k) v[k] = (p != nullptr && c0 + k < c_end) ? to_float(p[c0 + k]) : 0.f;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fast-path stores of a full 8x8 sub-tile
+
+// Rows of v (exact in T already) into dst [.., ld] at (r0, c0); vec: 16-byte stores (aligned layout).
+template <typename T>
+__device__ __forceinline__ void store_rows(T* __restrict__ dst, int64_t ld, int64_t r0, int64_t c0, bool vec,
+                                           const float (&v)[kSub][kSub]) {
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    T* p = dst + (r0 + i) * ld + c0;
+    if (vec) {
+      if constexpr (sizeof(T) == 2) {
+        uint4 raw;
+        T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < kSub; ++k) e[k] = from_float<T>(v[i][k]);
+        *reinterpret_cast<uint4*>(p) = raw;
+      } else {
+        reinterpret_cast<float4*>(p)[0] = make_float4(v[i][0], v[i][1], v[i][2], v[i][3]);
+        reinterpret_cast<float4*>(p)[1] = make_float4(v[i][4], v[i][5], v[i][6], v[i][7]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kSub; ++k) p[k] = from_float<T>(v[i][k]);
+    }
+  }
+}
+
+// w[i][h] = FP8 bytes of v[i][4h..4h+3] * scale.
+template <__nv_fp8_interpretation_t kFmt>
+__device__ __forceinline__ void pack_fp8(const float (&v)[kSub][kSub], float scale, uint32_t (&w)[kSub][2]) {
+#pragma unroll
+  for (int i = 0; i < kSub; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      w[i][h] = fp8x4<kFmt>(v[i][4 * h] * scale, v[i][4 * h + 1] * scale, v[i][4 * h + 2] * scale,
+                            v[i][4 * h + 3] * scale);
+}
+__device__ __forceinline__ void pack_fp8(const float (&v)[kSub][kSub], float scale, bool e5m2,
+                                         uint32_t (&w)[kSub][2]) {
+  if (e5m2) {
+    pack_fp8<__NV_E5M2>(v, scale, w);
+  } else {
+    pack_fp8<__NV_E4M3>(v, scale, w);
+  }
 }
 
 __device__ __forceinline__ uint8_t byte_of(uint32_t w, int k) { return static_cast<uint8_t>(w >> (8 * k)); }
@@ -186,32 +231,22 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
   c3 = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-// Writes fp8(v * scale) of the sub-tile to out ([rows, ld] row-major, valid columns < c_end) and its
-// transpose to out_t ([ld, rows] row-major: out_t[c * rows + r] = out[r * ld + c]); either may be
-// NULL. vec_out: 8-byte stores into out allowed (ld % 8 == 0, 8-aligned); vec_out_t: into out_t
-// (rows % 8 == 0, 8-aligned).
-template <__nv_fp8_interpretation_t kFmt>
-__device__ __forceinline__ void store_fp8_tile(const Tile& v, float scale, uint8_t* __restrict__ out,
+// Packed FP8 rows w of a full sub-tile into out ([rows, ld] row-major) and, transposed, into out_t
+// ([ld, rows]: out_t[c * rows + r] = out[r * ld + c]); either may be NULL. vec_out: 8-byte stores into
+// out allowed (ld % 8 == 0, 8-aligned); vec_out_t: into out_t (rows % 8 == 0, 8-aligned).
+__device__ __forceinline__ void store_fp8_full(const uint32_t (&w)[kSub][2], uint8_t* __restrict__ out,
                                                uint8_t* __restrict__ out_t, int64_t rows, int64_t ld, int64_t r0,
-                                               int64_t c0, int64_t c_end, bool vec_out, bool vec_out_t) {
-  uint32_t w[kSub][2];  // w[i][h]: row i, columns 4h..4h+3
-#pragma unroll
-  for (int i = 0; i < kSub; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      w[i][h] = fp8x4<kFmt>(v[i][4 * h] * scale, v[i][4 * h + 1] * scale, v[i][4 * h + 2] * scale,
-                            v[i][4 * h + 3] * scale);
-  const bool full = r0 + kSub <= rows && c0 + kSub <= c_end;
+                                               int64_t c0, bool vec_out, bool vec_out_t) {
   if (out != nullptr) {
-    if (full && vec_out) {
 #pragma unroll
-      for (int i = 0; i < kSub; ++i) *reinterpret_cast<uint2*>(out + (r0 + i) * ld + c0) = make_uint2(w[i][0], w[i][1]);
-    } else {
+    for (int i = 0; i < kSub; ++i) {
+      uint8_t* p = out + (r0 + i) * ld + c0;
+      if (vec_out) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(w[i][0], w[i][1]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < kSub; ++i)
-#pragma unroll
-        for (int k = 0; k < kSub; ++k)
-          if (r0 + i < rows && c0 + k < c_end) out[(r0 + i) * ld + c0 + k] = byte_of(w[i][k >> 2], k & 3);
+        for (int k = 0; k < kSub; ++k) p[k] = byte_of(w[i][k >> 2], k & 3);
+      }
     }
   }
   if (out_t != nullptr) {
@@ -222,21 +257,21 @@ __device__ __forceinline__ void store_fp8_tile(const Tile& v, float scale, uint8
       for (int h = 0; h < 2; ++h)
         transpose4x4(w[4 * g][h], w[4 * g + 1][h], w[4 * g + 2][h], w[4 * g + 3][h], t[4 * h][g], t[4 * h + 1][g],
                      t[4 * h + 2][g], t[4 * h + 3][g]);
-    if (full && vec_out_t) {
 #pragma unroll
-      for (int j = 0; j < kSub; ++j) *reinterpret_cast<uint2*>(out_t + (c0 + j) * rows + r0) = make_uint2(t[j][0], t[j][1]);
-    } else {
+    for (int j = 0; j < kSub; ++j) {
+      uint8_t* p = out_t + (c0 + j) * rows + r0;
+      if (vec_out_t) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(t[j][0], t[j][1]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < kSub; ++j)
-#pragma unroll
-        for (int i = 0; i < kSub; ++i)
-          if (r0 + i < rows && c0 + j < c_end) out_t[(c0 + j) * rows + r0 + i] = byte_of(t[j][i >> 2], i & 3);
+        for (int i = 0; i < kSub; ++i) p[i] = byte_of(t[j][i >> 2], i & 3);
+      }
     }
   }
 }
 
 // max(m, max |v|), NaN-propagating (|NaN| is a NaN with the sign bit clear).
-__device__ __forceinline__ float abs_max(const Tile& v, float m) {
+__device__ __forceinline__ float abs_max(const float (&v)[kSub][kSub], float m) {
 #pragma unroll
   for (int i = 0; i < kSub; ++i)
 #pragma unroll
@@ -244,9 +279,21 @@ __device__ __forceinline__ float abs_max(const Tile& v, float m) {
   return m;
 }
 
+// s[k] = v[0][k] + v[1][k] + ... + v[7][k], summed in that order from 0 (as the edge loops do).
+__device__ __forceinline__ void column_sums(const float (&v)[kSub][kSub], float (&s)[kSub]) {
+#pragma unroll
+  for (int k = 0; k < kSub; ++k) {
+    s[k] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) s[k] = __fadd_rn(s[k], v[i][k]);  // never contracted into an FMA
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Block reductions (every thread of the block must call them: they synchronise)
+
 // amax[0] = max(amax[0], max over the block of m), one atomic per block. m >= 0 or a positive NaN, so
 // comparing the float bits as ints orders them, and a NaN (bits above +inf) wins, as in torch.amax.
-// Every thread of the block must call it (it synchronises).
 __device__ __forceinline__ void block_amax_atomic(float m, float* amax) {
   __shared__ float warp_max[kThreads / 32];
 #pragma unroll
@@ -261,19 +308,15 @@ __device__ __forceinline__ void block_amax_atomic(float m, float* amax) {
   }
 }
 
-// ws_row[col_base + t] = sum over the block's 64 rows of column t of the block tile, for the 128
-// columns t with col_base + t < c_end. Fixed summation order (8 rows in a thread, then lanes 8 and 16
-// apart, then the two warp rows): deterministic. Every thread must call it (it synchronises).
-__device__ __forceinline__ void block_colsum(const Tile& v, float* __restrict__ ws_row, int64_t col_base,
+// s: this thread's column sums over its 8 rows (columns c0..c0+7 of thread_pos). Writes
+// ws_row[col_base + t] = the block's sum over its 64 rows of block column t, for the 128 columns t with
+// col_base + t < c_end. Fixed order (lanes 8 and 16 apart, then the two warp rows): deterministic.
+__device__ __forceinline__ void block_colsum(float (&s)[kSub], float* __restrict__ ws_row, int64_t col_base,
                                              int64_t c_end) {
   __shared__ float part[2][kBlockCols];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float s[kSub];
 #pragma unroll
   for (int k = 0; k < kSub; ++k) {
-    s[k] = v[0][k];
-#pragma unroll
-    for (int i = 1; i < kSub; ++i) s[k] += v[i][k];
     s[k] += __shfl_xor_sync(0xffffffffu, s[k], 8);
     s[k] += __shfl_xor_sync(0xffffffffu, s[k], 16);
   }

@@ -72,6 +72,7 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
     for k in range(1, tp):
         src = (me + k) % tp
         gemm_into(_wrap(handle.chunk(src), a_local), out[src * m : (src + 1) * m])
+        handle.release(src)  # (copies the chunk into `full` first when it is kept)
     gathered = _wrap(handle.wait(), a_local) if keep_gathered else None
     return out, gathered
 

@@ -75,15 +75,15 @@ class _CudaArray:
 
 
 class IpcTransport:
-    """CUDA IPC buffers shared by the TP group (te_parallel._C.Communicator) and copy-engine pulls."""
+    """CUDA IPC buffers shared by the TP group (te_parallel._C.Communicator) and copy-engine copies."""
 
     name = "ipc"
 
     def __init__(self, rank: int, tp: int, chunk_bytes: int, bootstrap, device: torch.device) -> None:
         self.rank, self.tp, self.device = rank, tp, device
         self.chunk_bytes = -(-chunk_bytes // 256) * 256
-        self.offsets = {AG: 0, RS: self.chunk_bytes}  # [AG: 1 chunk | RS: tp chunks]
-        total = self.chunk_bytes * (1 + tp)
+        self.offsets = {AG: 0, RS: tp * self.chunk_bytes}  # [AG: tp chunk slots | RS: tp chunk slots]
+        total = self.chunk_bytes * 2 * tp
         with torch.cuda.device(device):
             self.comm = _native.load().Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
             self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
@@ -130,57 +130,68 @@ class IpcTransport:
 
 
 class IpcAllGather:
-    """All chunks are pulled on the AG stream at construction; `chunk(src)` makes the current stream
-    wait for src's chunk only, so the caller's GEMM on chunk k overlaps the pull of chunk k+1."""
+    """Push: each rank copies its chunk into every peer's AG region (slot = its rank) with the copy
+    engine, in the order the peers consume it; `chunk(src)` makes the caller's stream wait for src's
+    flag and returns the slot itself (no copy); `release(src)` after the GEMM that read it tells src
+    the slot may be overwritten. (A local copy into one's own region would not do: an intra-GPU
+    copy may wait for SMs the GEMM holds; copies to a peer go through the copy engines.)"""
 
     def __init__(self, t: IpcTransport, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> None:
-        m = x_local.shape[0]
         if not x_local.is_contiguous():
             raise ValueError("comm-GEMM overlap: the all-gather input must be contiguous")
-        self.t, self.m, self.x_local = t, m, x_local
-        nbytes = _check_gather(t, self.x_local)
+        self.t, self.m, self.x_local, self.full = t, x_local.shape[0], x_local, out
+        self.nbytes = _check_gather(t, x_local)
         t.gen[AG] += 1
-        gen, cur, s = t.gen[AG], torch.cuda.current_stream(t.device), t.streams[AG]
+        self.gen, s = t.gen[AG], t.streams[AG]
+        cur = torch.cuda.current_stream(t.device)
         if after is None:
             s.wait_stream(cur)  # x_local is ready
         else:
             s.wait_event(after)
-        if out is None:  # allocated for the copy stream (it writes first); the caller's stream reads later
-            with torch.cuda.stream(s):
-                out = torch.empty((t.tp * m, *x_local.shape[1:]), dtype=x_local.dtype, device=x_local.device)
-            out.record_stream(cur)
-        self.out = out  # a caller's `out` must have been allocated before `after` was marked
-        self.events: Dict[int, torch.cuda.Event] = {}
         comm, sp = t.comm, s.cuda_stream
-        t._wait_consumers(AG, gen, s)
-        comm.copy(t._own_view(AG, nbytes).data_ptr(), self.x_local.data_ptr(), nbytes, sp)
-        for p in t._peers():
-            comm.signal(p, t._ready(AG, t.rank), gen, sp)
-        if out is not None:  # the caller wants the whole gathered tensor, own rows included
-            comm.copy(self._rows(t.rank).data_ptr(), self.x_local.data_ptr(), nbytes, sp)
-        self.pull_started: Dict[int, torch.cuda.Event] = {}
-        for src in t._peers():
-            comm.wait(t._ready(AG, src), gen, sp)
+        self.events: Dict[int, torch.cuda.Event] = {}
+        self.push_started: Dict[int, torch.cuda.Event] = {}
+        for k in range(1, t.tp):  # rank me-k multiplies my chunk at its step k: push to it k-th
+            p = (t.rank - k) % t.tp
+            comm.wait(t._done(AG, p), self.gen - 1, sp)  # p finished reading my slot of the last gather
             if t.timing:
-                self.pull_started[src] = _event(s, True)
-            comm.copy(self._rows(src).data_ptr(), t._peer_addr(AG, src), nbytes, sp)
-            comm.signal(src, t._done(AG, t.rank), gen, sp)
-            self.events[src] = _event(s, t.timing)
-        self.x_local.record_stream(s)
-        self.out.record_stream(s)
+                self.push_started[p] = _event(s, True)
+            comm.copy(t._peer_addr(AG, p) + t.rank * t.chunk_bytes, x_local.data_ptr(), self.nbytes, sp)
+            comm.signal(p, t._ready(AG, t.rank), self.gen, sp)
+            self.events[p] = _event(s, t.timing)
+        x_local.record_stream(s)
+        self.released = set()
 
-    def _rows(self, r: int) -> torch.Tensor:
-        return self.out[r * self.m : (r + 1) * self.m]
+    def _slot(self, src: int) -> torch.Tensor:
+        start = self.t.offsets[AG] + src * self.t.chunk_bytes
+        flat = self.t.own[start : start + self.nbytes].view(self.x_local.dtype)
+        return flat.view(self.x_local.shape)
 
     def chunk(self, src: int) -> torch.Tensor:
+        """src's rows, on the caller's stream (which waits for src's push)."""
         if src == self.t.rank:
             return self.x_local
-        torch.cuda.current_stream(self.t.device).wait_event(self.events[src])
-        return self._rows(src)
+        cur = torch.cuda.current_stream(self.t.device)
+        self.t.comm.wait(self.t._ready(AG, src), self.gen, cur.cuda_stream)
+        return self._slot(src)
+
+    def release(self, src: int) -> None:
+        """The caller's stream is done reading src's slot (issue after the GEMM that used it)."""
+        if src == self.t.rank or src in self.released:
+            return
+        self.released.add(src)
+        cur = torch.cuda.current_stream(self.t.device)
+        if self.full is not None:
+            self.full[src * self.m : (src + 1) * self.m].copy_(self._slot(src))
+        self.t.comm.signal(src, self.t._done(AG, self.t.rank), self.gen, cur.cuda_stream)
 
     def wait(self) -> torch.Tensor:
-        torch.cuda.current_stream(self.t.device).wait_stream(self.t.streams[AG])
-        return self.out
+        """The whole gathered tensor (`out` given at the start), on the caller's stream."""
+        self.full[self.t.rank * self.m : (self.t.rank + 1) * self.m].copy_(self.x_local)
+        for src in self.t._peers():
+            self.chunk(src)
+            self.release(src)
+        return self.full
 
 
 class IpcReduceScatter:
@@ -326,6 +337,9 @@ class P2PAllGather:
         for w in self.works.pop(src, []):
             w.wait()
         return self._rows(src)
+
+    def release(self, src: int) -> None:
+        """Chunks are received into the gathered tensor itself: nothing to hand back."""
 
     def wait(self) -> torch.Tensor:
         for src in list(self.works):

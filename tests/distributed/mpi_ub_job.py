@@ -21,7 +21,10 @@ def main() -> None:
     ovl = te.Linear(64, 32 * world, ub_overlap_ag=True, ub_comm=ub, **kw)
     ovl.load_state_dict(ref.state_dict())
     x = torch.randn(32 // world, 64, generator=torch.Generator().manual_seed(rank), device="cpu").to(device)
-    assert torch.equal(ovl(x), ref(x)), "overlapped output differs"
+    # fp32 GEMMs of M/tp rows and of M rows may take different cuBLAS kernels: compare closely, not
+    # bit for bit (the bit-exact bf16 comparison is test_overlap.py's)
+    y, y_ref = ovl(x), ref(x)
+    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-5), f"overlapped output differs by {(y - y_ref).abs().max()}"
     ub.destroy()
     dist.barrier()
     print(f"mpi bootstrap ok rank={rank} transport={ub.transport_name}", flush=True)
