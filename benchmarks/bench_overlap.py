@@ -8,7 +8,8 @@ Shapes (issue 6): per-rank input 4096×4096 (M = 4096·tp tokens in all), weight
 Rows per case: the GEMM alone (on already-gathered / unreduced data), NCCL collective then GEMM
 (sequential), te_parallel's overlap; ratios are ÷ GEMM alone. Every time is the max over the ranks
 of the per-rank median (CUDA events). `--layer` adds the seed TransformerLayer (hidden 4096, ffn 16384,
-32 heads, s 2048 × b 4) at TP=2+SP in FP8, fwd+bwd with and without overlap.
+32 heads, s 2048 × b 4; `--layer-batch 4 8` adds b=8) at TP=2+SP in FP8, fwd+bwd with and without
+overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap).
 Times are per call of loops issued back to back (the host runs ahead, as in training).
 The timeline rows prove overlap without nsys: CUDA events on the compute stream (each chunk's GEMM)
 and on the copy stream (each pull), relative to the start of the op on rank 0.
@@ -184,13 +185,13 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
     return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
 
 
-def layer_rows(ub, group, rank, tp):
+def layer_rows(ub, group, rank, tp, batch):
     torch.manual_seed(0)
     kw = dict(hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32, hidden_dropout=0.0,
               attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
               params_dtype=torch.bfloat16, device="cuda")
     rows = []
-    x = torch.randn(2048 // tp, 4, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2048 // tp, batch, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     for name, extra in [("no overlap (NCCL)", {}), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub))]:
         layer = te.TransformerLayer(**kw, **extra)
@@ -200,7 +201,7 @@ def layer_rows(ub, group, rank, tp):
                 y = layer(x)
             y.backward(dy)
         ms = _timed(step, iters=10)
-        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, {name}", "ms": ms,
+        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
                      "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3})
         del layer
     rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
@@ -213,6 +214,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=6144, help="weight shard rows (column) / inner shard (row)")
     ap.add_argument("--layer", action="store_true")
+    ap.add_argument("--layer-batch", type=int, nargs="+", default=[4], help="micro-batches of the layer rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -220,7 +222,8 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.new_group(list(range(tp)))
-    ub = te.initialize_ub([tp * args.m, max(args.k, args.n)], group, use_fp8=True, dtype=torch.bfloat16)
+    tokens = max(tp * args.m, 2048 * max(args.layer_batch))
+    ub = te.initialize_ub([tokens, max(args.k, args.n)], group, use_fp8=True, dtype=torch.bfloat16)
     rows, timelines = [], []
     for kind, make in (("AG+GEMM", ag_cases), ("GEMM+RS", rs_cases)):
         for use_fp8 in (False, True):
@@ -238,7 +241,7 @@ def main() -> None:
             for _ in range(3):  # the last of three (warm clocks and caches)
                 spans = timeline()
             timelines.append((label, spans))
-    layer = layer_rows(ub, group, rank, tp) if args.layer else []
+    layer = [r for b in args.layer_batch for r in layer_rows(ub, group, rank, tp, b)] if args.layer else []
     if rank == 0:
         title = (f"TP={tp} comm-GEMM overlap ({ub.transport_name}), per-rank {args.m}x{args.k}, shard "
                  f"{args.n}x{args.k} (max over ranks of median ms; x = / GEMM alone)")

@@ -27,15 +27,17 @@ def time_cuda(fn: Callable[[], None], warmup: int = 10, iters: int = 50) -> floa
 
 
 def environment() -> Dict[str, str]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("GIT_COMMIT", "")  # set by runs from a copy of the tree whose .git may be stale
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
-        "commit": commit or os.environ.get("GIT_COMMIT", "unknown"),
+        "commit": commit or "unknown",
     }
 
 

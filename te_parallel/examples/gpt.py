@@ -28,7 +28,8 @@ class GPT(nn.Module):
     """ids [s, b] -> mean next-token loss. Under TP the heads, FFN and vocabulary are split; under SP
     the activations between the layers are [s/tp, b, h]. RoPE positions, pre-LN GPT layers."""
 
-    def __init__(self, cfg: GPTConfig, tp_group=None, sequence_parallel: bool = False, tracker=None, device=None) -> None:
+    def __init__(self, cfg: GPTConfig, tp_group=None, sequence_parallel: bool = False, tracker=None, device=None,
+                 ub_comm=None) -> None:
         super().__init__()
         self.cfg, self.tp_group = cfg, tp_group
         tp = group_size(tp_group)
@@ -41,7 +42,8 @@ class GPT(nn.Module):
             te.TransformerLayer(cfg.hidden, cfg.ffn, cfg.heads, hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
                                 init_method=init, output_layer_init_method=out_init, layer_number=i + 1,
                                 tp_group=tp_group, set_parallel_mode=True, sequence_parallel=sp,
-                                get_rng_state_tracker=get_tracker, device=device)
+                                get_rng_state_tracker=get_tracker, device=device,
+                                ub_tp_comm_overlap=ub_comm is not None, ub_comm=ub_comm)
             for i in range(cfg.layers))
         self.norm = te.LayerNorm(cfg.hidden, sequence_parallel=sp, tp_group=tp_group if sp else None, device=device)
         self.head = te.Linear(cfg.hidden, cfg.vocab, bias=False, init_method=init, tp_group=tp_group,

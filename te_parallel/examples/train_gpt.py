@@ -36,7 +36,8 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--fp8", choices=list(RECIPES), default="delayed")
-    ap.add_argument("--overlap", action="store_true", help="comm-GEMM overlap (not available yet)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="comm-GEMM overlap of the TP all-gathers/reduce-scatters (needs --tp > 1 and sequence parallel)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -62,8 +63,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    if args.overlap:
-        ap.error("--overlap: comm-GEMM overlap is not implemented in this version; run without it")
+    if args.overlap and (args.tp < 2 or not args.sequence_parallel):
+        ap.error(f"--overlap needs --tp > 1 and sequence parallelism (got --tp {args.tp}, "
+                 f"sequence_parallel={args.sequence_parallel})")
     args.ffn = args.ffn or 4 * args.hidden
     return args
 
@@ -82,7 +84,13 @@ class Trainer:
         self.tracker = CudaRNGStatesTracker(device=world.device.type)
         model_parallel_seed(self.tracker, args.seed, tp_rank=world.tp_rank)
         cfg = GPTConfig(VOCAB, args.layers, args.hidden, args.heads, args.ffn, args.seq_len, args.dropout)
-        self.model = GPT(cfg, world.tp_group, args.sequence_parallel, self.tracker, device=world.device)
+        self.ub = None
+        if args.overlap:  # buffers for the largest exchange: [s·b tokens, hidden]
+            dtype = torch.bfloat16 if world.device.type == "cuda" and (args.precision or "bf16") == "bf16" else torch.float32
+            self.ub = te.initialize_ub([args.seq_len * args.micro_batch, args.hidden], world.tp_group,
+                                       use_fp8=RECIPES[args.fp8] is not None, dtype=dtype)
+        self.model = GPT(cfg, world.tp_group, args.sequence_parallel, self.tracker, device=world.device,
+                         ub_comm=self.ub)
         self.model.init_like_single_rank(args.seed)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
         self.data = ByteData(args.corpus_bytes, args.seq_len)

@@ -10,6 +10,7 @@ from te_parallel.fp8 import autocast as _autocast
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops.fp8_gemm_config import GemmFP8
+from te_parallel.parallel.overlap import initialize_ub  # noqa: F401  (TE's te.module.base.initialize_ub)
 
 DeviceLike = Union[str, torch.device, None]
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

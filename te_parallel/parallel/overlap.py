@@ -104,14 +104,23 @@ class CommOverlap:
         work issued between it and `all_gather(after=...)` does not delay the exchange."""
         return self.transport.mark()
 
+    def _check_not_capturing(self, what: str) -> None:
+        # The flags are compared with per-op generation numbers fixed at issue time: a replayed graph
+        # would reuse stale numbers, see every wait already satisfied and race. Refuse instead.
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"comm-GEMM overlap ({what}) cannot be captured in a CUDA graph; build the graphed "
+                               f"layers without ub_comm / ub_tp_comm_overlap")
+
     def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor] = None, after=None):
         """Start gathering dim 0; the handle's chunk(src) / wait() give the pieces / the whole.
         after: a `mark_inputs_ready()` marker (default: everything issued so far)."""
+        self._check_not_capturing("all-gather")
         self.counts["all_gather"] += 1
         return self.transport.all_gather(x_local, out, after)
 
     def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device):
         """Start a reduce-scatter of [rows, cols] partials; fill slot(d), call ready(d), then finish()."""
+        self._check_not_capturing("reduce-scatter")
         self.counts["reduce_scatter"] += 1
         return self.transport.reduce_scatter(rows, cols, dtype, device)
 
