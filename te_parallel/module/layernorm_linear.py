@@ -30,6 +30,12 @@ def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
     weight, bias = module.layer_norm_weight, module.layer_norm_bias
     if module.sequence_parallel and module.tp_size > 1 and module.allreduce_sp_grads:
         weight, bias = all_reduce_grad(weight, module.tp_group), all_reduce_grad(bias, module.tp_group)
+    if torch.is_autocast_enabled(inp.device.type):
+        # torch.autocast runs layer_norm in fp32 and returns fp32; the modules' activations stay in the
+        # autocast dtype (as TE's do), so the norm runs outside autocast on the already-cast input
+        # (F.layer_norm / rms_norm compute in fp32 internally and round once).
+        with torch.autocast(inp.device.type, enabled=False):
+            return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
     return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
 
 
