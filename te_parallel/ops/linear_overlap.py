@@ -129,8 +129,8 @@ class BulkBackward:
             m = rows // ub.tp_size
             for d in range(ub.tp_size):
                 dgrad_into(_rows(dy, d * m, (d + 1) * m), w, rs.slot(d))
-        for d in range(ub.tp_size):
-            rs.ready(d)
+        for k in range(1, ub.tp_size + 1):  # step order, the same on every rank (P2P pairs messages by step)
+            rs.ready((ub.rank + k) % ub.tp_size)
         rs.start_pulls()
         rs.finish(out_dtype, async_op=True)
         self.rs = rs

@@ -155,6 +155,8 @@ def _suite(rank, world, device):
     for rec in ("off", "delayed"):
         checks.run(f"TransformerLayer {rec}", _transformer_case, rec, rank, world, group, device, ub)
     checks.run("buffer too small", _too_small, rank, world, group, device, ub)
+    checks.run("bad arguments", _bad_arguments, rank, world, group, device, ub)
+    checks.run("ub_cfgs method off", _cfg_off, rank, world, group, device)
     ub.destroy()
     checks.raise_if_failed()
 
@@ -163,6 +165,45 @@ def _expect(name, want, fallback):
     assert name == want, f"transport {name!r}, expected {want!r} (warnings: {fallback})"
     if want == "p2p":
         assert len(fallback) == 1 and "CPU" in fallback[0], fallback
+
+
+def _bad_arguments(rank, world, group, device, ub):
+    cases = [
+        (dict(shape=[64]), ValueError, r"shape=\[64\]; need \[tokens, hidden\]"),
+        (dict(shape=[63, 64]), ValueError, "divisible by tp_size"),
+        (dict(dtype=torch.int32), ValueError, "dtype=torch.int32"),
+        (dict(bootstrap_backend="tcp"), ValueError, "bootstrap_backend='tcp'"),
+        (dict(ub_cfgs={"qkv_fprob": {}}), ValueError, "ub_cfgs key 'qkv_fprob'"),
+        (dict(ub_cfgs={"qkv_fprop": {"method": "magic"}}), ValueError, "method']='magic'"),
+        (dict(ub_cfgs={"qkv_fprop": {"colour": 1}}), ValueError, r"unknown keys \['colour'\]"),
+    ]
+    for kw, err, match in cases:
+        args = dict(shape=[64, 64], tp_group=group) | kw
+        with pytest.raises(err, match=match):
+            te.initialize_ub(**args)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        te.initialize_ub([64, 64], "group")
+    kw = dict(tp_group=group, device=device)
+    with pytest.raises(ValueError, match="needs parallel_mode 'column'/'row' with sequence_parallel=True"):
+        te.Linear(64, 64, parallel_mode="column", ub_overlap_ag=True, ub_comm=ub, **kw)
+    with pytest.raises(TypeError, match="ub_comm must be the object returned by initialize_ub"):
+        te.Linear(64, 64, parallel_mode="column", sequence_parallel=True, ub_overlap_ag=True, ub_comm=object(), **kw)
+    other = dist.new_group(list(range(world)))
+    m = te.Linear(64, 64 * world, parallel_mode="column", sequence_parallel=True, ub_overlap_ag=True, ub_comm=ub,
+                  tp_group=other, device=device)
+    with pytest.raises(ValueError, match="initialised for another tp_group"):
+        m(torch.randn(8, 64, device=device))
+
+
+def _cfg_off(rank, world, group, device):
+    """ub_cfgs {"qkv_fprop": {"method": "off"}} turns that GEMM's overlap off, nothing else."""
+    ub = te.initialize_ub([64, 64], group, dtype=_dtype(device), ub_cfgs={"qkv_fprop": {"method": "off"}})
+    m = te.Linear(64, 32 * world, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device,
+                  params_dtype=_dtype(device), ub_overlap_ag=True, ub_name="qkv", ub_comm=ub)
+    x = torch.randn(32 // world, 64, device=device, dtype=_dtype(device), requires_grad=True)
+    m(x).sum().backward()
+    assert ub.counts == {"all_gather": 1, "reduce_scatter": 1}, ub.counts  # backward only
+    ub.destroy()
 
 
 def _too_small(rank, world, group, device, ub):
