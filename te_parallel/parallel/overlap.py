@@ -81,8 +81,9 @@ class CommOverlap:
     """
 
     def __init__(self, shape: Sequence[int], tp_group, use_fp8: bool, dtype: torch.dtype,
-                 cfgs: Dict[str, UbLayerConfig], transport) -> None:
+                 cfgs: Dict[str, UbLayerConfig], transport, exchange: "_Exchange") -> None:
         self.shape, self.tp_group, self.use_fp8, self.dtype = tuple(shape), tp_group, use_fp8, dtype
+        self.exchange = exchange
         self.tp_size, self.rank = group_size(tp_group), group_rank(tp_group)
         self.cfgs, self.transport = cfgs, transport
         self.counts = {"all_gather": 0, "reduce_scatter": 0}  # ops issued (tests and benchmarks check the path)
@@ -125,7 +126,11 @@ class CommOverlap:
         return self.transport.reduce_scatter(rows, cols, dtype, device)
 
     def destroy(self) -> None:
-        """Free the shared buffers (collective: call on every rank once no overlapped op is running)."""
+        """Free the shared buffers. Collective: every rank first finishes its GPU work and waits for the
+        others, since a peer may still be signalling into this rank's flags after this rank is done."""
+        if self.transport.name == "ipc":
+            torch.cuda.synchronize()
+            self.exchange.allgather_obj(None, step="destroy barrier")
         self.transport.close()
 
     def __repr__(self) -> str:
@@ -162,7 +167,7 @@ def initialize_ub(shape: Sequence[int], tp_group, use_fp8: bool = False, dtype: 
     exchange = _Exchange(tp_group, backend, timeout)
     chunk_bytes = shape[0] // tp * shape[1] * torch.empty((), dtype=dtype).element_size()
     transport = _make_transport(tp_group, rank, tp, chunk_bytes, exchange)
-    return CommOverlap(shape, tp_group, use_fp8, dtype, cfgs, transport)
+    return CommOverlap(shape, tp_group, use_fp8, dtype, cfgs, transport, exchange)
 
 
 def _resolve_group(tp_group):
