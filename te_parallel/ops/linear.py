@@ -190,7 +190,8 @@ class LinearFunction(torch.autograd.Function):
             if fp8 is not None:
                 fp8.record_amax(dy2d, backward=True)
             dy = dy2d
-        if par.overlap_dgrad:
+        # (the column path re-gathers the saved local shard: only when forward kept the shard)
+        if par.overlap_dgrad and (par.mode == "row" or ctx.regather):
             dx2d, dy, dw = _overlapped_backward(ctx, dy, need_dx, need_dw)
         else:
             dx2d, dw = _backward(ctx, dy, need_dx, need_dw)
