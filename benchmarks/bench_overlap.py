@@ -203,7 +203,6 @@ def layer_rows(ub, group, rank, tp, batch):
         ms = _timed(step, iters=10)
         rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
                      "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3})
-        del layer
     rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
     return rows
 

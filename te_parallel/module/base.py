@@ -1,7 +1,7 @@
 """What every GEMM module shares: parameter creation, FP8 state, the quantized-weight cache."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn

@@ -9,7 +9,6 @@ differ from NCCL's, so the tolerance is a few units in the last place of the act
 """
 import os
 import subprocess
-import sys
 import warnings
 
 import pytest
