@@ -6,9 +6,13 @@
 #include <cstdint>
 
 #include "../kernels/common.h"
+#include "../kernels/convert.cuh"
 #include "te_parallel/comm_gemm_overlap.h"
 
 namespace {
+
+using tep::from_float;
+using tep::to_float;
 
 constexpr int kMaxInputs = 8;
 constexpr int kThreads = 256;
@@ -16,20 +20,6 @@ constexpr int kThreads = 256;
 struct Inputs {
   const void* ptr[kMaxInputs];
 };
-
-template <typename T>
-__device__ __forceinline__ float to_f32(T v) { return static_cast<float>(v); }
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v) { return static_cast<T>(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // Each thread handles VEC consecutive elements (one 16-byte load per input when VEC*sizeof(TIn)==16).
 template <typename TIn, typename TOut, int VEC>
@@ -41,15 +31,15 @@ __global__ void reduce_kernel(Inputs in, int n, TOut* out, size_t num_vecs) {
     float acc[VEC];
     InVec first = reinterpret_cast<const InVec*>(in.ptr[0])[i];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = to_f32(first.v[j]);
+    for (int j = 0; j < VEC; ++j) acc[j] = to_float(first.v[j]);
     for (int k = 1; k < n; ++k) {
       InVec next = reinterpret_cast<const InVec*>(in.ptr[k])[i];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[j] += to_f32(next.v[j]);
+      for (int j = 0; j < VEC; ++j) acc[j] += to_float(next.v[j]);
     }
     OutVec result;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) result.v[j] = from_f32<TOut>(acc[j]);
+    for (int j = 0; j < VEC; ++j) result.v[j] = from_float<TOut>(acc[j]);
     reinterpret_cast<OutVec*>(out)[i] = result;
   }
 }

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "convert.cuh"
+
 namespace tep {
 namespace tile {
 
@@ -59,20 +61,10 @@ __device__ __forceinline__ bool full_tile(int64_t rows, int64_t r0, int64_t c0, 
 }
 
 // ------------------------------------------------------------------------------------------------
-// Element conversions
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+// Element conversions and the NaN-propagating max: convert.cuh (re-exported here).
+using tep::from_float;
+using tep::nan_max;
+using tep::to_float;
 
 // v rounded to T and back (round-to-nearest-even): the value an output of type T holds.
 template <typename T>
@@ -80,7 +72,6 @@ __device__ __forceinline__ float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
-__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
 // fp8 byte of v: round-to-nearest-even, saturating to ±max finite, NaN stays NaN (the conversion
 // instruction of sm_89+, the same one the packed fp8x4 below uses).

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "convert.cuh"
 #include "te_parallel/norm.h"
 
 namespace tep {
@@ -32,20 +33,10 @@ constexpr int kTile = 64;          // byte transpose tile
 
 // ------------------------------------------------------------------------------------------------
 // Element access
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+// Element conversions and the NaN-propagating max: convert.cuh (re-exported here).
+using tep::from_float;
+using tep::nan_max;
+using tep::to_float;
 
 // Elements col .. col+7 of `row` (zeros past `hidden`); the caller guarantees col < hidden. `vec`:
 // the host checked hidden % 8 == 0 and 16-byte alignment, so the chunk is whole and aligned.
