@@ -189,8 +189,9 @@ class IpcAllGather:
         """The whole gathered tensor (`out` given at the start), on the caller's stream."""
         self.full[self.t.rank * self.m : (self.t.rank + 1) * self.m].copy_(self.x_local)
         for src in self.t._peers():
-            self.chunk(src)
-            self.release(src)
+            if src not in self.released:  # (a released chunk was already waited for and copied)
+                self.chunk(src)
+                self.release(src)
         return self.full
 
 

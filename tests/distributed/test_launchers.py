@@ -52,13 +52,18 @@ def test_torchrun_check_world():
     _run_launcher("torchrun.sh", _child_env())
 
 
-def test_mpirun_check_world():
+def mpi_env_or_skip() -> dict:
+    """_child_env() for launch/mpirun.sh, or skip when mpirun / mpi4py are missing."""
     env = _child_env()
     if shutil.which("mpirun", path=env["PATH"]) is None:
         pytest.skip("mpirun is not on PATH; install an MPI with: bash .ci/install_mpi.sh")
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed; install it with: bash .ci/install_mpi.sh")
-    _run_launcher("mpirun.sh", env)
+    return env
+
+
+def test_mpirun_check_world():
+    _run_launcher("mpirun.sh", mpi_env_or_skip())
 
 
 # --- world discovery on faked environments ---------------------------------------------------------

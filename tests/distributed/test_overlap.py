@@ -237,16 +237,9 @@ def test_initialize_ub_bad_arguments():
 
 def test_mpi_bootstrap():
     """initialize_ub(bootstrap_backend='mpi') under launch/mpirun.sh, then an overlapped Linear."""
-    import importlib.util
-    import shutil
+    from tests.distributed.test_launchers import mpi_env_or_skip
 
-    from tests.distributed.test_launchers import _child_env
-
-    env = _child_env()
-    if shutil.which("mpirun", path=env["PATH"]) is None:
-        pytest.skip("mpirun is not on PATH; install an MPI with: bash .ci/install_mpi.sh")
-    if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("mpi4py is not installed; install it with: bash .ci/install_mpi.sh")
+    env = mpi_env_or_skip()
     job = os.path.join(ROOT, "tests", "distributed", "mpi_ub_job.py")
     proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "mpirun.sh"), job], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
