@@ -25,7 +25,12 @@ from te_parallel import recipe  # noqa: E402
 
 
 def _step_fn(module, x, dy, fp8_recipe=None):
+    params = list(module.parameters())
+
     def step():
+        x.grad = None  # optimizer.zero_grad(set_to_none=True): no .grad accumulation in the timing
+        for p in params:
+            p.grad = None
         if fp8_recipe is not None:
             module.drop_fp8_weight_cache()
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):

@@ -64,7 +64,12 @@ def main() -> None:
     rows = []
 
     def stepper(mod, fp8_recipe=None):
+        params = list(mod.parameters())
+
         def step():
+            x.grad = None  # optimizer.zero_grad(set_to_none=True): no .grad accumulation in the timing
+            for p in params:
+                p.grad = None
             if fp8_recipe is not None:
                 for m in mod.modules():
                     if hasattr(m, "drop_fp8_weight_cache"):
@@ -81,7 +86,12 @@ def main() -> None:
     measure("te FP8 current", stepper(layer, recipe.Float8CurrentScaling()), rows, base)
     graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
 
+    layer_params = list(layer.parameters())
+
     def graph_step():
+        x.grad = None
+        for p in layer_params:
+            p.grad = None
         graphed(x).backward(dy)
     measure("te FP8 delayed, CUDA graph", graph_step, rows, base)
     shape = f"h{a.hidden} ffn{a.ffn} heads{a.heads} s{a.seq} b{a.batch}"

@@ -18,7 +18,8 @@ from typing import NoReturn, Sequence, Tuple
 
 import torch
 
-__all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update", "cast_transpose_amax"]
+__all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update", "cast_transpose_amax",
+           "transpose_fp8"]
 
 _ALGOS = {"max": 0, "most_recent": 1}
 
@@ -177,3 +178,20 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                                    0 if amax_out is None else amax_out.data_ptr(), _DTYPES[fp8_dtype],
                                    torch.cuda.current_stream(x.device).cuda_stream)
     return data, data_t
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
+    """The contiguous [cols, rows] transpose of a contiguous CUDA [rows, cols] FP8 matrix, one pass."""
+    module = load()
+    if module is None:
+        raise RuntimeError("transpose_fp8: te_parallel._C is absent; use data.t().contiguous()")
+    if not (data.is_cuda and data.dim() == 2 and data.is_contiguous() and data.dtype in FP8_DTYPES and data.numel() > 0):
+        raise ValueError(f"transpose_fp8: got {_describe(data)}; need a contiguous non-empty 2-D FP8 CUDA tensor")
+    rows, cols = data.shape
+    out = torch.empty(cols, rows, dtype=data.dtype, device=data.device)
+    with torch.cuda.device(data.device):
+        module.transpose_fp8(data.data_ptr(), rows, cols, out.data_ptr(), torch.cuda.current_stream(data.device).cuda_stream)
+    return out

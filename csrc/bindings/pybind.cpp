@@ -87,6 +87,16 @@ void cast_transpose_amax(std::uintptr_t x, int x_dtype, long long rows, long lon
   check(status);
 }
 
+void transpose_fp8(std::uintptr_t x, long long rows, long long cols, std::uintptr_t out_t, std::uintptr_t stream) {
+  tep_status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = tep_transpose_fp8(reinterpret_cast<const void*>(x), rows, cols, reinterpret_cast<void*>(out_t),
+                               reinterpret_cast<void*>(stream));
+  }
+  check(status);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -107,6 +117,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_dtype"), py::arg("stream"),
         "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t) and amax "
         "(pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
+  m.def("transpose_fp8", &transpose_fp8, py::arg("x"), py::arg("rows"), py::arg("cols"), py::arg("out_t"),
+        py::arg("stream"), "Transpose of a row-major [rows, cols] byte (FP8) matrix into out_t [cols, rows].");
   // Each kernel family binds itself from its own file (csrc/bindings/<family>.cpp).
   tep_bindings::bind_norm(m);
   tep_bindings::bind_activation(m);

@@ -95,6 +95,33 @@ tep_status launch(const void* x, int64_t rows, int64_t cols, const float* scale,
   return TEP_SUCCESS;
 }
 
+// Transpose of an FP8 (byte) matrix: the same tiles and register transpose as the cast, reading
+// 8-byte rows instead of converting (for operands that arrive already quantized, e.g. gathered FP8).
+__global__ void __launch_bounds__(tile::kThreads) transpose_bytes_kernel(const uint8_t* __restrict__ x, int64_t rows,
+                                                                         int64_t cols, uint8_t* __restrict__ out_t,
+                                                                         bool vec_in, bool vec_out_t) {
+  const int64_t row_tiles = (rows + tile::kBlockRows - 1) / tile::kBlockRows;
+  for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+    const tile::Pos p = tile::thread_pos(rt);
+    if (vec_in && tile::full_tile(rows, p.r0, p.c0, cols)) {
+      uint32_t w[tile::kSub][2];
+#pragma unroll
+      for (int i = 0; i < tile::kSub; ++i) {
+        const uint2 v = *reinterpret_cast<const uint2*>(x + (p.r0 + i) * cols + p.c0);
+        w[i][0] = v.x;
+        w[i][1] = v.y;
+      }
+      tile::store_fp8_full(w, nullptr, out_t, rows, cols, p.r0, p.c0, false, vec_out_t);
+    } else {
+#pragma unroll 1
+      for (int64_t r = p.r0; r < p.r0 + tile::kSub && r < rows; ++r) {
+#pragma unroll 1
+        for (int64_t c = p.c0; c < p.c0 + tile::kSub && c < cols; ++c) out_t[c * rows + r] = x[r * cols + c];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long rows, long long cols,
@@ -123,4 +150,27 @@ extern "C" tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long l
                      x_dtype);
       return TEP_ERROR_INVALID_ARGUMENT;
   }
+}
+
+extern "C" tep_status tep_transpose_fp8(const void* x, long long rows, long long cols, void* out_t, void* stream) {
+  if (x == nullptr || out_t == nullptr) {
+    tep::set_error("tep_transpose_fp8: x and out_t must be non-NULL");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (rows < 1 || cols < 1 || (cols + tep::tile::kBlockCols - 1) / tep::tile::kBlockCols > 0x7fffffffLL) {
+    tep::set_error("tep_transpose_fp8: rows = %lld, cols = %lld; need rows, cols >= 1 and cols < 2^38", rows, cols);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  namespace tile = tep::tile;
+  const dim3 grid(static_cast<unsigned>((cols + tile::kBlockCols - 1) / tile::kBlockCols), tile::grid_y(rows));
+  const bool vec_in = cols % tile::kSub == 0 && tile::aligned(x, 8);
+  const bool vec_out_t = rows % tile::kSub == 0 && tile::aligned(out_t, 8);
+  transpose_bytes_kernel<<<grid, tile::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint8_t*>(x), rows, cols, static_cast<uint8_t*>(out_t), vec_in, vec_out_t);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    tep::set_error("tep_transpose_fp8: launch of [%lld, %lld] failed: %s", rows, cols, cudaGetErrorString(err));
+    return TEP_ERROR_CUDA;
+  }
+  return TEP_SUCCESS;
 }

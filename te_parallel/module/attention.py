@@ -77,10 +77,12 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         skv = k.shape[2]
         causal_flag = mask_type == "causal" and window is None and attention_mask is None
         mask = None if causal_flag else build_mask(mask_type, attention_mask, b, h, sq, skv, window, q.device)
-        backend = choose_backend(self.backend, q, has_mask=mask is not None)
+        backend = choose_backend(self.backend, q, has_mask=mask is not None, gqa=k.shape[1] != h)
+        fallback = "flash" if self.backend == "auto" and backend == "cudnn" else None
         p = self.attention_dropout if self.training else 0.0
         with self._dropout_rng(p):
-            out, self.last_backend = attention(q, k, v, mask, backend, self.softmax_scale, p, is_causal=causal_flag)
+            out, self.last_backend = attention(q, k, v, mask, backend, self.softmax_scale, p, is_causal=causal_flag,
+                                               fallback=fallback)
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)  # [s, b, h, d] / [b, s, h, d]
         return out.reshape(*out.shape[:2], h * out.shape[-1])
 

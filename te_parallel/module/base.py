@@ -127,8 +127,9 @@ class FP8Module(nn.Module):
         if hit is not None and hit[0][1:] == key[1:]:
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]
+        training = torch.is_grad_enabled()  # dgrad will need Wᵀ: emit it in the same pass
         with torch.no_grad():
-            w_q = cfg.quantize_weight(weight.detach(), amax_group)
+            w_q = cfg.quantize_weight(weight.detach(), amax_group, transpose=training)
         self._weight_cache[cfg.gemm] = (key, w_q)
         return w_q
 

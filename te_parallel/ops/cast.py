@@ -55,10 +55,7 @@ def quantize(
         torch.maximum(amax_out, amax_of(x).view_as(amax_out), out=amax_out)
     limit = fp8_max(fp8_dtype)
     data = (x.to(torch.float32) * scale).clamp_(-limit, limit).to(fp8_dtype)
-    out = Float8Tensor(data=data, scale_inv=1.0 / scale)
-    if transpose:
-        out.transposed()
-    return out
+    return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data.t().contiguous() if transpose else None)
 
 
 def _use_native(x: torch.Tensor) -> bool:

@@ -133,17 +133,18 @@ def _reduce_output(y2d: torch.Tensor, par: LinearParallel) -> torch.Tensor:
 
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, fp8: Optional[GemmFP8], wgrad_targets, par: LinearParallel):
+    def forward(ctx, inp, weight, bias, fp8: Optional[GemmFP8], wgrad_targets, par: LinearParallel, grad: bool):
         out_features, in_features = weight.shape
         x2d = inp.reshape(-1, in_features)  # [M or M/tp, K]
         act_dtype, row = inp.dtype, par.active and par.mode == "row"
-        need_wgrad = weight.requires_grad or bool(wgrad_targets)
+        need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
         # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
         regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute or par.overlap_fprop)
         if par.gathers_input and not regather:
             x2d = _gather(x2d, par.group)[0]
         if fp8 is not None and fp8.compute:
-            x_local = fp8.cast_input(x2d, transpose=False, amax_group=par.amax_group)
+            # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward
+            x_local = fp8.cast_input(x2d, transpose=need_wgrad and not regather, amax_group=par.amax_group)
             w_used = fp8.weight
         else:
             if fp8 is not None:
@@ -185,7 +186,8 @@ class LinearFunction(torch.autograd.Function):
             if par.gathers_grad:  # each rank summed its own M/tp tokens
                 all_reduce(dbias, par.group)
         if fp8 is not None and fp8.compute:
-            dy = fp8.cast_grad(dy2d, transpose=False, amax_group=par.amax_group)
+            # dyᵀ for wgrad from the same pass, unless the gathered dy is transposed after the gather
+            dy = fp8.cast_grad(dy2d, transpose=need_dw and not par.gathers_grad, amax_group=par.amax_group)
         else:
             if fp8 is not None:
                 fp8.record_amax(dy2d, backward=True)
@@ -199,7 +201,7 @@ class LinearFunction(torch.autograd.Function):
             _accumulate_main_grad(targets, dw)
             dw = None
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
-        return dx, dw, dbias, None, None, None
+        return dx, dw, dbias, None, None, None, None
 
 
 def _backward(ctx, dy, need_dx: bool, need_dw: bool):
@@ -277,4 +279,4 @@ def _reduce_dgrad(dx2d: torch.Tensor, par: LinearParallel):
 def linear(inp, weight, bias=None, fp8: Optional[GemmFP8] = None, wgrad_targets=None,
            par: LinearParallel = SINGLE) -> torch.Tensor:
     """Functional form of `LinearFunction` (inp already in the activation dtype)."""
-    return LinearFunction.apply(inp, weight, bias, fp8, wgrad_targets, par)
+    return LinearFunction.apply(inp, weight, bias, fp8, wgrad_targets, par, torch.is_grad_enabled())

@@ -47,3 +47,33 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="need a contiguous non-empty 2-D"):
         _native.cast_transpose_amax(torch.randn(4, 4, device="cuda").t(), torch.tensor(1.0, device="cuda"),
                                     torch.float8_e4m3fn, None, transpose=False)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(8, 3), (4104, 16)], ids=[f"{r}x{c}" for r, c in SHAPES + [(8, 3), (4104, 16)]])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_transpose_fp8_matches_torch(shape, fp8):
+    torch.cuda.empty_cache()
+    poison = torch.full((sum(shape) * 4096,), 0x7B, dtype=torch.uint8, device="cuda")  # reused by the output
+    del poison
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(fp8)
+    out = _native.transpose_fp8(data)
+    assert out.shape == (shape[1], shape[0]) and out.dtype == fp8 and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), data.view(torch.uint8).t().contiguous())
+
+
+def test_transpose_fp8_unaligned_view_and_float8tensor():
+    """A row slice at an odd byte offset takes the element path; Float8Tensor.transposed() uses the kernel."""
+    from te_parallel.fp8.tensor import Float8Tensor
+
+    base = torch.randint(0, 256, (65, 64), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    flat = base.view(-1)[3 : 3 + 64 * 64].view(64, 64)  # contiguous, 3 bytes off alignment
+    assert torch.equal(_native.transpose_fp8(flat).view(torch.uint8), flat.view(torch.uint8).t().contiguous())
+    q = Float8Tensor(base, torch.tensor(1.0, device="cuda"))
+    assert torch.equal(q.transposed().view(torch.uint8), base.view(torch.uint8).t().contiguous())
+
+
+def test_transpose_fp8_bad_arguments():
+    with pytest.raises(ValueError, match="need a contiguous non-empty 2-D FP8 CUDA tensor"):
+        _native.transpose_fp8(torch.zeros(4, 4, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="need a contiguous non-empty 2-D FP8 CUDA tensor"):
+        _native.transpose_fp8(torch.zeros(4, 8, device="cuda").to(torch.float8_e4m3fn).t())

@@ -91,6 +91,12 @@ TEP_API tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long
                                            const float* scale, void* out, void* out_t, float* amax,
                                            int out_dtype, void* stream);
 
+/*
+ * Transpose of a row-major [rows, cols] matrix of 1-byte elements (FP8 bytes):
+ *   out_t[j, i] = x[i, j]. Any rows, cols >= 1. Asynchronous on `stream`.
+ */
+TEP_API tep_status tep_transpose_fp8(const void* x, long long rows, long long cols, void* out_t, void* stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

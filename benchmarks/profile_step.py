@@ -1,0 +1,139 @@
+"""Where the time of one fwd+bwd step goes: a per-kernel table from torch.profiler, and the GEMMs alone.
+
+    python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|bf16]
+    python benchmarks/profile_step.py layer  [--recipe delayed|current|bf16|torch] [--batch 4]
+    python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
+
+`linear` / `layer` print the kernels of 5 profiled steps grouped by name (total ms per step, calls per
+step), the GPU busy time per step and the host time to issue one step. `gemm` times the three GEMMs of a
+linear layer alone: bf16 `mm` against FP8 `torch._scaled_mm` with and without fast accumulation.
+--json writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import te_parallel as te  # noqa: E402
+from common import report, time_cuda  # noqa: E402
+from te_parallel import recipe  # noqa: E402
+
+RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "bf16": None, "torch": None}
+
+
+def _stepper(module, x, dy, rec):
+    params = list(module.parameters())
+
+    def step():
+        x.grad = None  # optimizer.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
+        if rec is not None:
+            for m in module.modules():
+                if hasattr(m, "drop_fp8_weight_cache"):
+                    m.drop_fp8_weight_cache()
+        with te.fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
+            y = module(x)
+        y.backward(dy)
+    return step
+
+
+def _build(kind: str, args):
+    dt = torch.bfloat16
+    rec = RECIPES[args.recipe]() if RECIPES[args.recipe] else None
+    if kind == "linear":
+        m, k, n = (int(v) for v in args.shape.split("x"))
+        mod = (torch.nn.Linear(k, n, device="cuda", dtype=dt) if args.recipe == "torch"
+               else te.Linear(k, n, device="cuda", params_dtype=dt))
+        x = torch.randn(m, k, device="cuda", dtype=dt, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=dt)
+    else:
+        from bench_transformer import TorchLayer
+        h, ffn, heads = 4096, 16384, 32
+        mod = (TorchLayer(h, ffn, heads).to("cuda", dt) if args.recipe == "torch"
+               else te.TransformerLayer(h, ffn, heads, params_dtype=dt, device="cuda"))
+        x = torch.randn(2048, args.batch, h, device="cuda", dtype=dt, requires_grad=True)
+        dy = torch.randn_like(x)
+    return _stepper(mod, x, dy, rec)
+
+
+def profile(kind: str, args) -> list:
+    step = _build(kind, args)
+    ms = time_cuda(step, warmup=5, iters=20)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))  # host issue time: keep the GPU busy so the host never waits for it
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    host_ms = (time.perf_counter() - t0) * 1000 / 3
+    torch.cuda.synchronize()
+    steps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_name = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name][0] += ev.device_time_total / 1000 / steps
+            per_name[ev.name][1] += 1
+    busy = sum(v[0] for v in per_name.values())
+    print(f"\n{kind} {args.recipe}: step {ms:.3f} ms (events), host issue {host_ms:.3f} ms/step, "
+          f"GPU kernel time {busy:.3f} ms/step, {sum(v[1] for v in per_name.values()) / steps:.0f} kernels/step")
+    rows = []
+    for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        rows.append({"kernel": name[:110], "ms_per_step": t, "calls_per_step": n / steps,
+                     "share": t / busy})
+    report(f"{kind} {args.recipe} kernels", rows, ["ms_per_step", "calls_per_step", "share", "kernel"], None)
+    return [{"kind": kind, "recipe": args.recipe, "step_ms": ms, "host_ms": host_ms, "gpu_ms": busy}] + rows
+
+
+def gemms(args) -> list:
+    m, k, n = (int(v) for v in args.shape.split("x"))
+    dev, rows = "cuda", []
+    f8, f8b = torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device=dev)
+    for what, (mm, kk, nn) in {"fprop": (m, k, n), "dgrad": (m, n, k), "wgrad": (n, m, k)}.items():
+        a = torch.randn(mm, kk, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(nn, kk, device=dev, dtype=torch.bfloat16)
+        bf = time_cuda(lambda: a @ b.t())
+        a8 = a.to(f8b if what != "fprop" else f8)
+        b8 = b.to(f8)
+        res = {"gemm": what, "MxKxN": f"{mm}x{kk}x{nn}", "bf16_ms": bf}
+        for fast in (False, True):
+            t = time_cuda(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16, use_fast_accum=fast))
+            res[f"fp8_{'fast' if fast else 'precise'}_ms"] = t
+        res["tflops_fp8_precise"] = 2 * mm * kk * nn / res["fp8_precise_ms"] / 1e9
+        res["bf16_over_fp8_precise"] = bf / res["fp8_precise_ms"]
+        rows.append(res)
+    report("GEMMs alone", rows, list(rows[0]), None)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["linear", "layer", "gemm"])
+    ap.add_argument("--shape", default="8192x4096x16384")
+    ap.add_argument("--recipe", default="delayed", choices=list(RECIPES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_step needs a CUDA GPU")
+    rows = gemms(args) if args.what == "gemm" else profile(args.what, args)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
