@@ -1,6 +1,6 @@
 """Host overhead of one small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime).
 
-    python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 100] [--profile] [--json out.json]
+    python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--profile] [--json out.json]
 
 Microseconds of host time per forward call, for `calls` calls issued back to back while the GPU is
 held busy by a sleep kernel, so the host never waits for the GPU and what is timed is only the work
@@ -54,7 +54,7 @@ def host_us(call, calls: int, region=contextlib.nullcontext, repeats: int = 7) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="128x1024x1024")
-    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()

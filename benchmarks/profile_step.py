@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|bf16]
     python benchmarks/profile_step.py layer  [--recipe delayed|current|bf16|torch] [--batch 4]
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
+    add --host to linear / layer for a cProfile of the host side of 20 steps
 
 `linear` / `layer` print the kernels of 5 profiled steps grouped by name (total ms per step, calls per
 step), the GPU busy time per step and the host time to issue one step. `gemm` times the three GEMMs of a
@@ -94,6 +95,29 @@ def profile(kind: str, args) -> list:
     return [{"kind": kind, "recipe": args.recipe, "step_ms": ms, "host_ms": host_ms, "gpu_ms": busy}] + rows
 
 
+def host_profile(kind: str, args) -> list:
+    """cProfile of 20 steps: where the host's issue time goes (the GPU is kept ahead by a sleep)."""
+    import cProfile
+    import pstats
+
+    step = _build(kind, args)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    torch.cuda._sleep(int(2e9))
+    prof.enable()
+    for _ in range(20):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    print(f"\n{kind} {args.recipe}: host profile of 20 steps")
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    return []
+
+
 def gemms(args) -> list:
     m, k, n = (int(v) for v in args.shape.split("x"))
     dev, rows = "cuda", []
@@ -124,11 +148,15 @@ def main() -> None:
     ap.add_argument("--recipe", default="delayed", choices=list(RECIPES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--host", action="store_true", help="cProfile the host side instead of the kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step needs a CUDA GPU")
-    rows = gemms(args) if args.what == "gemm" else profile(args.what, args)
+    if args.what == "gemm":
+        rows = gemms(args)
+    else:
+        rows = host_profile(args.what, args) if args.host else profile(args.what, args)
     if args.json:
         import json
         with open(args.json, "w") as f:

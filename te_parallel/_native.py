@@ -11,6 +11,7 @@ their PyTorch fallback; `load()` warns once per process that the kernels are abs
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import warnings
 from types import ModuleType
@@ -25,6 +26,25 @@ _ALGOS = {"max": 0, "most_recent": 1}
 
 _module: ModuleType | None = None
 _load_attempted = False
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def launch_on(device: torch.device) -> Tuple[contextlib.AbstractContextManager, int]:
+    """(device guard, current cudaStream_t as int) for a kernel launch on `device`.
+
+    Kernels launch on the thread's current device, so a tensor on another device needs a switch;
+    when it is already current (the usual case) the guard is a no-op. Both look-ups go straight to
+    torch's C bindings: the public wrappers cost microseconds per call, and a small FP8 GEMM's host
+    path makes several launches (bench_host.py).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
+    guard = contextlib.nullcontext() if index == current else torch.cuda.device(index)
+    stream = _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
+    return guard, stream
 
 
 class NativeKernelsAbsentWarning(UserWarning):
@@ -142,8 +162,8 @@ def fused_delayed_scaling_update(
             _raise_state_error(i, state, device)
         c_states.append(c_state)
     # The kernel launches on the thread's current device; make it the tensors' device.
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
+    guard, stream = launch_on(device)
+    with guard:
         module.delayed_scaling_update(c_states, float(fp8_max), float(scale_divisor), _ALGOS[algo],
                                       bool(update_scale), stream)
 
@@ -153,30 +173,34 @@ CAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
-                        amax_out: torch.Tensor | None, transpose: bool) -> Tuple[torch.Tensor, torch.Tensor | None]:
+                        amax_out: torch.Tensor | None, transpose: bool,
+                        scale_inv_out: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """FP8 cast of a contiguous CUDA [rows, cols] matrix in one pass: (data, data_t or None).
 
     Bit-identical to te_parallel.ops.cast.quantize's PyTorch path (fp32 multiply by `scale`,
     saturating round-to-nearest-even); amax_out (a 1-element fp32 CUDA tensor) receives
-    max(amax_out, max |x|) in the same pass.
+    max(amax_out, max |x|) in the same pass; scale_inv_out (likewise) receives 1 / scale.
     """
     module = load()
     if module is None:
         raise RuntimeError("cast_transpose_amax: te_parallel._C is absent; use the PyTorch path")
     ok = (x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.dtype in CAST_INPUT_DTYPES and x.numel() > 0
           and scale.is_cuda and scale.dtype == torch.float32 and scale.numel() == 1 and fp8_dtype in _DTYPES
-          and (amax_out is None or (amax_out.is_cuda and amax_out.dtype == torch.float32 and amax_out.numel() == 1)))
+          and all(t is None or (t.is_cuda and t.dtype == torch.float32 and t.numel() == 1)
+                  for t in (amax_out, scale_inv_out)))
     if not ok:
         raise ValueError(f"cast_transpose_amax: got x {_describe(x)}, scale {_describe(scale)}, amax_out "
-                         f"{_describe(amax_out)}; need a contiguous non-empty 2-D fp32/fp16/bf16 CUDA x and fp32 CUDA scalars")
+                         f"{_describe(amax_out)}, scale_inv_out {_describe(scale_inv_out)}; need a contiguous "
+                         "non-empty 2-D fp32/fp16/bf16 CUDA x and fp32 CUDA scalars")
     rows, cols = x.shape
     data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     data_t = torch.empty(cols, rows, dtype=fp8_dtype, device=x.device) if transpose else None
-    with torch.cuda.device(x.device):
+    guard, stream = launch_on(x.device)
+    with guard:
         module.cast_transpose_amax(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(), data.data_ptr(),
                                    0 if data_t is None else data_t.data_ptr(),
-                                   0 if amax_out is None else amax_out.data_ptr(), _DTYPES[fp8_dtype],
-                                   torch.cuda.current_stream(x.device).cuda_stream)
+                                   0 if amax_out is None else amax_out.data_ptr(),
+                                   0 if scale_inv_out is None else scale_inv_out.data_ptr(), _DTYPES[fp8_dtype], stream)
     return data, data_t
 
 
@@ -192,6 +216,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"transpose_fp8: got {_describe(data)}; need a contiguous non-empty 2-D FP8 CUDA tensor")
     rows, cols = data.shape
     out = torch.empty(cols, rows, dtype=data.dtype, device=data.device)
-    with torch.cuda.device(data.device):
-        module.transpose_fp8(data.data_ptr(), rows, cols, out.data_ptr(), torch.cuda.current_stream(data.device).cuda_stream)
+    guard, stream = launch_on(data.device)
+    with guard:
+        module.transpose_fp8(data.data_ptr(), rows, cols, out.data_ptr(), stream)
     return out

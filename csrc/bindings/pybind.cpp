@@ -74,14 +74,15 @@ void delayed_scaling_update(const std::vector<StateTuple>& states, float fp8_max
 }
 
 void cast_transpose_amax(std::uintptr_t x, int x_dtype, long long rows, long long cols, std::uintptr_t scale,
-                         std::uintptr_t out, std::uintptr_t out_t, std::uintptr_t amax, int out_dtype,
-                         std::uintptr_t stream) {
+                         std::uintptr_t out, std::uintptr_t out_t, std::uintptr_t amax, std::uintptr_t scale_inv,
+                         int out_dtype, std::uintptr_t stream) {
   tep_status status;
   {
     py::gil_scoped_release no_gil;
     status = tep_cast_transpose_amax(reinterpret_cast<const void*>(x), x_dtype, rows, cols,
                                      reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(out),
-                                     reinterpret_cast<void*>(out_t), reinterpret_cast<float*>(amax), out_dtype,
+                                     reinterpret_cast<void*>(out_t), reinterpret_cast<float*>(amax),
+                                     reinterpret_cast<float*>(scale_inv), out_dtype,
                                      reinterpret_cast<void*>(stream));
   }
   check(status);
@@ -114,9 +115,9 @@ PYBIND11_MODULE(_C, m) {
         "over history, 1 = most recent; stream: cudaStream_t as int. Raises RuntimeError.");
   m.def("cast_transpose_amax", &cast_transpose_amax, py::arg("x"), py::arg("x_dtype"), py::arg("rows"),
         py::arg("cols"), py::arg("scale"), py::arg("out"), py::arg("out_t"), py::arg("amax"),
-        py::arg("out_dtype"), py::arg("stream"),
-        "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t) and amax "
-        "(pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
+        py::arg("scale_inv"), py::arg("out_dtype"), py::arg("stream"),
+        "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t), amax and "
+        "scale_inv = 1/scale (pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
   m.def("transpose_fp8", &transpose_fp8, py::arg("x"), py::arg("rows"), py::arg("cols"), py::arg("out_t"),
         py::arg("stream"), "Transpose of a row-major [rows, cols] byte (FP8) matrix into out_t [cols, rows].");
   // Each kernel family binds itself from its own file (csrc/bindings/<family>.cpp).

@@ -44,9 +44,12 @@ __device__ __forceinline__ float cast_partial(const T* __restrict__ x, int64_t r
 template <typename T, __nv_fp8_interpretation_t kFmt>
 __global__ void __launch_bounds__(tile::kThreads) cast_transpose_kernel(
     const T* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale_ptr,
-    uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax_out, bool vec_in,
-    bool vec_out, bool vec_out_t) {
+    uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax_out,
+    float* __restrict__ scale_inv_out, bool vec_in, bool vec_out, bool vec_out_t) {
   const float scale = *scale_ptr;
+  if (scale_inv_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *scale_inv_out = 1.0f / scale;  // IEEE division (no fast math): the bits of torch's 1.0 / scale
+  }
   const int64_t row_tiles = (rows + tile::kBlockRows - 1) / tile::kBlockRows;
   float local_max = 0.f;
   for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
@@ -72,7 +75,7 @@ __global__ void __launch_bounds__(tile::kThreads) cast_transpose_kernel(
 
 template <typename T>
 tep_status launch(const void* x, int64_t rows, int64_t cols, const float* scale, void* out, void* out_t,
-                  float* amax, int out_dtype, cudaStream_t stream) {
+                  float* amax, float* scale_inv, int out_dtype, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((cols + tile::kBlockCols - 1) / tile::kBlockCols), tile::grid_y(rows));
   const bool vec_in = cols % tile::kSub == 0 && tile::aligned(x, 16);
   const bool vec_out = cols % tile::kSub == 0 && (out == nullptr || tile::aligned(out, 8));
@@ -81,10 +84,10 @@ tep_status launch(const void* x, int64_t rows, int64_t cols, const float* scale,
   auto* xt = static_cast<uint8_t*>(out_t);
   if (out_dtype == TEP_FLOAT8_E4M3) {
     cast_transpose_kernel<T, __NV_E4M3><<<grid, tile::kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, vec_in, vec_out, vec_out_t);
+        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, scale_inv, vec_in, vec_out, vec_out_t);
   } else {
     cast_transpose_kernel<T, __NV_E5M2><<<grid, tile::kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, vec_in, vec_out, vec_out_t);
+        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, scale_inv, vec_in, vec_out, vec_out_t);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(tile::kThreads) transpose_bytes_kernel(const u
 
 extern "C" tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long rows, long long cols,
                                               const float* scale, void* out, void* out_t, float* amax,
-                                              int out_dtype, void* stream) {
+                                              float* scale_inv, int out_dtype, void* stream) {
   if (x == nullptr || scale == nullptr || (out == nullptr && out_t == nullptr)) {
     tep::set_error("tep_cast_transpose_amax: x, scale and at least one of out / out_t must be non-NULL");
     return TEP_ERROR_INVALID_ARGUMENT;
@@ -142,9 +145,9 @@ extern "C" tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long l
   }
   auto s = static_cast<cudaStream_t>(stream);
   switch (x_dtype) {
-    case TEP_FLOAT32: return launch<float>(x, rows, cols, scale, out, out_t, amax, out_dtype, s);
-    case TEP_FLOAT16: return launch<__half>(x, rows, cols, scale, out, out_t, amax, out_dtype, s);
-    case TEP_BFLOAT16: return launch<__nv_bfloat16>(x, rows, cols, scale, out, out_t, amax, out_dtype, s);
+    case TEP_FLOAT32: return launch<float>(x, rows, cols, scale, out, out_t, amax, scale_inv, out_dtype, s);
+    case TEP_FLOAT16: return launch<__half>(x, rows, cols, scale, out, out_t, amax, scale_inv, out_dtype, s);
+    case TEP_BFLOAT16: return launch<__nv_bfloat16>(x, rows, cols, scale, out, out_t, amax, scale_inv, out_dtype, s);
     default:
       tep::set_error("tep_cast_transpose_amax: x_dtype = %d; need TEP_FLOAT32 (0), TEP_FLOAT16 (1) or TEP_BFLOAT16 (2)",
                      x_dtype);

@@ -49,8 +49,9 @@ def quantize(
     x = x.detach()
     scale = scale.detach().to(torch.float32).reshape(())
     if _use_native(x):
-        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose)
-        return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t)
+        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel: 1 / scale
+        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv)
+        return Float8Tensor(data=data, scale_inv=scale_inv, data_t=data_t)
     if amax_out is not None:
         torch.maximum(amax_out, amax_of(x).view_as(amax_out), out=amax_out)
     limit = fp8_max(fp8_dtype)

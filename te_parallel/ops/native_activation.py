@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from te_parallel import _native
 from te_parallel._native import _DTYPES, _describe, load
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import activation as _act
@@ -146,11 +147,11 @@ def bias_activation_forward(
     module = _module()
     out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device) if high_precision else None
     data, data_t = _fp8_outputs(rows, out_cols, fp8_dtype, transpose, x.device)
-    with torch.cuda.device(x.device):
+    guard, stream = _native.launch_on(x.device)
+    with guard:
         module.bias_activation_fwd(ACT_CODES[name], x.data_ptr(), _ptr(bias), _DTYPES[x.dtype], rows, cols,
                                    _ptr(out), _ptr(data), _ptr(data_t), _ptr(scale) if data is not None else 0,
-                                   _ptr(amax_out), _DTYPES.get(fp8_dtype, 3),
-                                   torch.cuda.current_stream(x.device).cuda_stream)
+                                   _ptr(amax_out), _DTYPES.get(fp8_dtype, 3), stream)
     return out, _float8(data, data_t, scale)
 
 
@@ -190,12 +191,12 @@ def dbias_dactivation_backward(
         dbias = torch.empty(cols, dtype=x.dtype, device=x.device)
         workspace = torch.empty(module.dbias_dactivation_workspace_size(rows, cols), dtype=torch.uint8,
                                 device=x.device)
-    with torch.cuda.device(x.device):
+    guard, stream = _native.launch_on(x.device)
+    with guard:
         module.dbias_dactivation(ACT_CODES[name], dy.data_ptr(), x.data_ptr(), _ptr(bias), _DTYPES[x.dtype], rows,
                                  cols, _ptr(dx), _ptr(data), _ptr(data_t), _ptr(scale) if data is not None else 0,
                                  _ptr(amax_out), _DTYPES.get(fp8_dtype, 3), _ptr(dbias), _DTYPES[x.dtype],
-                                 _ptr(workspace), 0 if workspace is None else workspace.numel(),
-                                 torch.cuda.current_stream(x.device).cuda_stream)
+                                 _ptr(workspace), 0 if workspace is None else workspace.numel(), stream)
     return dx, dbias, _float8(data, data_t, scale)
 
 

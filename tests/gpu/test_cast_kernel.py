@@ -24,7 +24,9 @@ def test_cast_matches_reference(shape, dtype, fp8):
     x.view(-1)[0] = 3e4 if dtype != torch.float16 else 6e4  # saturates
     scale = torch.tensor(3.3, device="cuda")
     amax = torch.tensor([0.25], device="cuda")
-    data, data_t = _native.cast_transpose_amax(x, scale, fp8, amax, transpose=True)
+    scale_inv = torch.full((), float("nan"), device="cuda")
+    data, data_t = _native.cast_transpose_amax(x, scale, fp8, amax, transpose=True, scale_inv_out=scale_inv)
+    assert torch.equal(scale_inv, 1.0 / scale)  # bit for bit the torch reciprocal
     ref = quantize_reference(x.cpu(), scale.cpu(), fp8)
     assert torch.equal(data.cpu().view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(data_t.cpu().view(torch.uint8), ref.t().contiguous().view(torch.uint8))

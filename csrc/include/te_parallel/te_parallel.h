@@ -84,12 +84,15 @@ typedef enum {
  *                                                   NaN stays NaN (same bits as torch's conversion)
  *   out_t[j, i] = out[i, j]                         if out_t != NULL (the transposed copy)
  *   amax[0]     = max(amax[0], max |x|)             if amax != NULL (NaN propagates; amax[0] >= 0)
+ *   scale_inv[0] = 1 / scale[0]                      if scale_inv != NULL (IEEE division), so the
+ *                                                   decoding scale is a copy that later scale updates
+ *                                                   do not touch
  * x_dtype: TEP_FLOAT32 / FLOAT16 / BFLOAT16; out_dtype: TEP_FLOAT8_E4M3 / E5M2. Any rows, cols >= 1.
  * Asynchronous on `stream`.
  */
 TEP_API tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long rows, long long cols,
                                            const float* scale, void* out, void* out_t, float* amax,
-                                           int out_dtype, void* stream);
+                                           float* scale_inv, int out_dtype, void* stream);
 
 /*
  * Transpose of a row-major [rows, cols] matrix of 1-byte elements (FP8 bytes):
