@@ -1,12 +1,16 @@
 """FP8 te.Linear fwd+bwd vs torch bf16 nn.Linear, same run, same GPU.
 
     python benchmarks/bench_linear.py [--shapes 8192x4096x16384 ...] [--json out.json]
+    python benchmarks/bench_linear.py --sweep      (FP8 vs bf16 over GEMM sizes: the small-GEMM threshold)
 
 Rows per shape (tokens × in → out), bf16 activations and weights:
   torch bf16         torch.nn.Linear
   te bf16            te.Linear outside fp8_autocast
-  te fp8 delayed     te.Linear in fp8_autocast(DelayedScaling), weight recast every step
+  te fp8 delayed     te.Linear in fp8_autocast(DelayedScaling), weight recast every step (GEMMs below
+                     Recipe.min_fp8_gemm run in bf16: the default small-GEMM fallback)
   te fp8 current     te.Linear in fp8_autocast(Float8CurrentScaling), weight recast every step
+"ms" is per step with steps issued back to back (as a training loop runs: common.time_cuda_stream),
+"ms_synced" per step started on an idle GPU (host latency to the first kernel included).
 "Weight recast every step" models training (the optimizer changes the weight each step), so the
 weight cast is inside the timing; the speedup column is torch bf16 time / row time.
 """
@@ -20,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda  # noqa: E402
+from common import report, time_cuda, time_cuda_stream  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 
 
@@ -50,27 +54,59 @@ def bench_shape(m: int, k: int, n: int):
     cases = [("torch bf16", ref, None), ("te bf16", lin, None),
              ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling())]
     base = None
+    base_synced = None
     for name, mod, rec in cases:
-        ms = time_cuda(_step_fn(mod, x, dy, rec))
-        base = base or ms
+        step = _step_fn(mod, x, dy, rec)
+        ms, synced = time_cuda_stream(step), time_cuda(step)
+        base, base_synced = base or ms, base_synced or synced
         rows.append({"shape": f"{m}x{k}->{n}", "case": name, "ms": ms, "tflops": flops / ms / 1e9,
-                     "speedup_vs_torch_bf16": base / ms})
-        x.grad = None
+                     "speedup_vs_torch_bf16": base / ms, "ms_synced": synced, "synced_speedup": base_synced / synced})
     return rows
+
+
+SWEEP = ["1024x1024x1024", "2048x768x3072", "2048x2048x2048", "4096x2048x2048", "8192x2048x2048",
+         "4096x4096x4096", "8192x4096x4096", "8192x4096x8192", "8192x4096x16384"]
+
+
+def sweep(shapes, json_path) -> None:
+    """te FP8 (every GEMM in FP8: min_fp8_gemm=0) against te bf16 (what the small-GEMM fallback runs)."""
+    rows = []
+    for s in shapes:
+        m, k, n = (int(v) for v in s.split("x"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        lin = te.Linear(k, n, device="cuda", params_dtype=torch.bfloat16)
+        bf = time_cuda_stream(_step_fn(lin, x, dy))
+        f8 = time_cuda_stream(_step_fn(lin, x, dy, recipe.DelayedScaling(min_fp8_gemm=0)))
+        rows.append({"shape": s, "MKN": m * k * n, "te_bf16_ms": bf, "te_fp8_forced_ms": f8, "fp8_speedup": bf / f8})
+    rows.sort(key=lambda r: r["MKN"])
+    # the smallest size from which FP8 wins at every larger measured shape
+    wins = [r["fp8_speedup"] >= 1.0 for r in rows]
+    first = next((i for i in range(len(rows)) if all(wins[i:])), None)
+    report("FP8 vs bf16 by GEMM size (te.Linear fwd+bwd, ms per step back to back)", rows,
+           ["shape", "MKN", "te_bf16_ms", "te_fp8_forced_ms", "fp8_speedup"], json_path)
+    if first is not None:
+        print(f"FP8 wins from M*K*N = {rows[first]['MKN']:.3g} ({rows[first]['shape']}); "
+              f"largest losing size {rows[first - 1]['MKN']:.3g}" if first else "FP8 wins at every measured size")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=["8192x4096x16384"])
+    ap.add_argument("--sweep", action="store_true", help="FP8 vs bf16 over GEMM sizes (the small-GEMM threshold)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear needs a CUDA GPU")
+    if args.sweep:
+        sweep(args.shapes if args.shapes != ["8192x4096x16384"] else SWEEP, args.json)
+        return
     rows = []
     for s in args.shapes:
         m, k, n = (int(v) for v in s.split("x"))
         rows += bench_shape(m, k, n)
-    report("Linear fwd+bwd (median ms)", rows, ["shape", "case", "ms", "tflops", "speedup_vs_torch_bf16"], args.json)
+    report("Linear fwd+bwd (ms per step back to back; ms_synced: each step from an idle GPU)", rows,
+           ["shape", "case", "ms", "tflops", "speedup_vs_torch_bf16", "ms_synced", "synced_speedup"], args.json)
 
 
 if __name__ == "__main__":

@@ -174,12 +174,14 @@ CAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                         amax_out: torch.Tensor | None, transpose: bool,
-                        scale_inv_out: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor | None]:
+                        scale_inv_out: torch.Tensor | None = None,
+                        dbias_out: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """FP8 cast of a contiguous CUDA [rows, cols] matrix in one pass: (data, data_t or None).
 
     Bit-identical to te_parallel.ops.cast.quantize's PyTorch path (fp32 multiply by `scale`,
     saturating round-to-nearest-even); amax_out (a 1-element fp32 CUDA tensor) receives
-    max(amax_out, max |x|) in the same pass; scale_inv_out (likewise) receives 1 / scale.
+    max(amax_out, max |x|) in the same pass; scale_inv_out (likewise) receives 1 / scale;
+    dbias_out (a contiguous [cols] float tensor) receives the column sums of x (fp32, fixed order).
     """
     module = load()
     if module is None:
@@ -193,9 +195,24 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                          f"{_describe(amax_out)}, scale_inv_out {_describe(scale_inv_out)}; need a contiguous "
                          "non-empty 2-D fp32/fp16/bf16 CUDA x and fp32 CUDA scalars")
     rows, cols = x.shape
+    if dbias_out is not None and not (dbias_out.device == x.device and dbias_out.dtype in CAST_INPUT_DTYPES
+                                      and dbias_out.shape == (cols,) and dbias_out.is_contiguous()):
+        raise ValueError(f"cast_transpose_amax: dbias_out is {_describe(dbias_out)}; need a contiguous "
+                         f"[{cols}] fp32/fp16/bf16 tensor on {x.device}")
     data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     data_t = torch.empty(cols, rows, dtype=fp8_dtype, device=x.device) if transpose else None
     guard, stream = launch_on(x.device)
+    if dbias_out is not None:
+        ws_bytes = module.cast_transpose_dbias_workspace_size(rows, cols)
+        workspace = torch.empty(ws_bytes // 4, dtype=torch.float32, device=x.device)
+        with guard:
+            module.cast_transpose_dbias(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(), data.data_ptr(),
+                                        0 if data_t is None else data_t.data_ptr(),
+                                        0 if amax_out is None else amax_out.data_ptr(),
+                                        0 if scale_inv_out is None else scale_inv_out.data_ptr(), _DTYPES[fp8_dtype],
+                                        dbias_out.data_ptr(), _DTYPES[dbias_out.dtype], workspace.data_ptr(), ws_bytes,
+                                        stream)
+        return data, data_t
     with guard:
         module.cast_transpose_amax(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(), data.data_ptr(),
                                    0 if data_t is None else data_t.data_ptr(),

@@ -59,11 +59,27 @@ AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torch.Tensor]
 
 
+# GEMMs smaller than this (M·K·N, on CUDA) run in the activation dtype instead of FP8 when a recipe
+# leaves `min_fp8_gemm` at None: there the casts, the extra launches and the host work cost more than
+# the FP8 GEMM saves. Measured with benchmarks/bench_linear.py --sweep (docs/benchmarks.md, "Small
+# GEMMs"). CPU runs (FP8 emulation, for development and tests) are never switched.
+DEFAULT_MIN_FP8_GEMM = 2**35
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """Base class of the recipes."""
+    """Base class of the recipes.
+
+    min_fp8_gemm: a GEMM whose M·K·N is below this runs in the activation dtype (bf16/fp16), not FP8,
+    on CUDA: FP8 only pays where the GEMM is large enough to hide the casts and launches. None: the
+    measured default `DEFAULT_MIN_FP8_GEMM`; 0: every GEMM in FP8 (TE's behaviour).
+    """
 
     fp8_format: Format = Format.HYBRID
+    min_fp8_gemm: Optional[int] = None
+
+    def min_gemm(self) -> int:
+        return DEFAULT_MIN_FP8_GEMM if self.min_fp8_gemm is None else self.min_fp8_gemm
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -72,6 +88,8 @@ class Recipe:
         return isinstance(self, Float8CurrentScaling)
 
     def __post_init__(self) -> None:
+        if self.min_fp8_gemm is not None and not (isinstance(self.min_fp8_gemm, int) and self.min_fp8_gemm >= 0):
+            raise ValueError(f"min_fp8_gemm must be None or an int >= 0 (M·K·N), got {self.min_fp8_gemm!r}")
         if not isinstance(self.fp8_format, Format):
             raise TypeError(
                 f"fp8_format must be a te_parallel.recipe.Format (E4M3, E5M2, HYBRID), got {self.fp8_format!r}"

@@ -62,3 +62,15 @@ def test_inference_skips_transposes(device):
     y.sum().backward()
     assert cached.data_t is not None and torch.equal(cached.data_t.view(torch.uint8),
                                                      cached.data.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_bias_gradient_from_the_cast(rec, device):
+    """FP8 backward takes dbias from the dy cast: equal to the column sums of dy (fp32 accumulation)."""
+    lin = te.Linear(64, 48, device=device)
+    x = torch.randn(48, 64, device=device, requires_grad=True)
+    dy = torch.randn(48, 48, device=device)
+    with te.fp8_autocast(fp8_recipe=rec):
+        y = lin(x)
+    y.backward(dy)
+    torch.testing.assert_close(lin.bias.grad.double(), dy.double().sum(0), rtol=1e-6, atol=1e-5)

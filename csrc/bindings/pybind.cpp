@@ -88,6 +88,23 @@ void cast_transpose_amax(std::uintptr_t x, int x_dtype, long long rows, long lon
   check(status);
 }
 
+void cast_transpose_dbias(std::uintptr_t x, int x_dtype, long long rows, long long cols, std::uintptr_t scale,
+                          std::uintptr_t out, std::uintptr_t out_t, std::uintptr_t amax, std::uintptr_t scale_inv,
+                          int out_dtype, std::uintptr_t dbias, int dbias_dtype, std::uintptr_t workspace,
+                          long long workspace_bytes, std::uintptr_t stream) {
+  tep_status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = tep_cast_transpose_dbias(reinterpret_cast<const void*>(x), x_dtype, rows, cols,
+                                      reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(out),
+                                      reinterpret_cast<void*>(out_t), reinterpret_cast<float*>(amax),
+                                      reinterpret_cast<float*>(scale_inv), out_dtype, reinterpret_cast<void*>(dbias),
+                                      dbias_dtype, reinterpret_cast<void*>(workspace), workspace_bytes,
+                                      reinterpret_cast<void*>(stream));
+  }
+  check(status);
+}
+
 void transpose_fp8(std::uintptr_t x, long long rows, long long cols, std::uintptr_t out_t, std::uintptr_t stream) {
   tep_status status;
   {
@@ -118,6 +135,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scale_inv"), py::arg("out_dtype"), py::arg("stream"),
         "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t), amax and "
         "scale_inv = 1/scale (pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
+  m.def("cast_transpose_dbias", &cast_transpose_dbias, py::arg("x"), py::arg("x_dtype"), py::arg("rows"),
+        py::arg("cols"), py::arg("scale"), py::arg("out"), py::arg("out_t"), py::arg("amax"), py::arg("scale_inv"),
+        py::arg("out_dtype"), py::arg("dbias"), py::arg("dbias_dtype"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("stream"),
+        "cast_transpose_amax plus dbias = column sums of x (fp32, fixed order) into dbias [cols].");
+  m.def("cast_transpose_dbias_workspace_size", &tep_cast_transpose_dbias_workspace_size, py::arg("rows"),
+        py::arg("cols"), "Bytes of workspace cast_transpose_dbias needs.");
   m.def("transpose_fp8", &transpose_fp8, py::arg("x"), py::arg("rows"), py::arg("cols"), py::arg("out_t"),
         py::arg("stream"), "Transpose of a row-major [rows, cols] byte (FP8) matrix into out_t [cols, rows].");
   // Each kernel family binds itself from its own file (csrc/bindings/<family>.cpp).

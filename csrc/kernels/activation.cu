@@ -51,6 +51,5 @@ extern "C" tep_status tep_bias_activation_fwd(int a, const void* x, const void* 
 }
 
 extern "C" long long tep_dbias_dactivation_workspace_size(long long rows, long long cols) {
-  if (rows < 1 || cols < 1) return 0;
-  return (rows + tile::kBlockRows - 1) / tile::kBlockRows * cols * static_cast<long long>(sizeof(float));
+  return tile::colsum_workspace_bytes(rows, cols);
 }

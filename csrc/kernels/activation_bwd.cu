@@ -17,42 +17,8 @@ template tep_status launch_bwd<__nv_bfloat16>(int, const BwdParams&, dim3, cudaS
 
 namespace {
 
-// dbias[c] = sum over row tiles of ws[rt, c]: 32 columns x 8 row-tile strides per block, then the 8
-// partials of a column in order. Deterministic.
-template <typename TOut>
-__global__ void __launch_bounds__(256) colsum_finalize_kernel(const float* __restrict__ ws, int64_t row_tiles,
-                                                              int64_t cols, TOut* __restrict__ dbias) {
-  __shared__ float part[8][33];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + tx;
-  float s = 0.f;
-  if (c < cols) {
-    for (int64_t rt = ty; rt < row_tiles; rt += 8) s += ws[rt * cols + c];
-  }
-  part[ty][tx] = s;
-  __syncthreads();
-  if (ty == 0 && c < cols) {
-    float total = part[0][tx];
-#pragma unroll
-    for (int k = 1; k < 8; ++k) total += part[k][tx];
-    dbias[c] = tile::from_float<TOut>(total);
-  }
-}
-
 tep_status finalize(const float* ws, long long rows, long long cols, void* dbias, int dbias_dtype, cudaStream_t s) {
-  const long long row_tiles = (rows + tile::kBlockRows - 1) / tile::kBlockRows;
-  const dim3 grid(static_cast<unsigned>((cols + 31) / 32));
-  switch (dbias_dtype) {
-    case TEP_FLOAT32:
-      colsum_finalize_kernel<<<grid, 256, 0, s>>>(ws, row_tiles, cols, static_cast<float*>(dbias));
-      break;
-    case TEP_FLOAT16:
-      colsum_finalize_kernel<<<grid, 256, 0, s>>>(ws, row_tiles, cols, static_cast<__half*>(dbias));
-      break;
-    default:
-      colsum_finalize_kernel<<<grid, 256, 0, s>>>(ws, row_tiles, cols, static_cast<__nv_bfloat16*>(dbias));
-      break;
-  }
+  tile::launch_colsum_finalize(ws, rows, cols, dbias, dbias_dtype, s);
   return act::launch_status("tep_dbias_dactivation (dbias)", rows, cols);
 }
 

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common.h"
 #include "convert.cuh"
 
 namespace tep {
@@ -319,6 +320,53 @@ __device__ __forceinline__ void block_colsum(float (&s)[kSub], float* __restrict
   const int t = threadIdx.x;  // kThreads == kBlockCols: one column per thread
   if (col_base + t < c_end) ws_row[col_base + t] = part[0][t] + part[1][t];
   __syncthreads();  // `part` is reused by the next call
+}
+
+// dbias[c] = sum over row tiles of ws[rt, c] (the partials block_colsum wrote): 32 columns x 8 row-tile
+// strides per block, then the 8 partials of a column in order. Deterministic.
+template <typename TOut>
+__global__ void __launch_bounds__(256) colsum_finalize_kernel(const float* __restrict__ ws, int64_t row_tiles,
+                                                              int64_t cols, TOut* __restrict__ dbias) {
+  __shared__ float part[8][33];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + tx;
+  float s = 0.f;
+  if (c < cols) {
+    for (int64_t rt = ty; rt < row_tiles; rt += 8) s += ws[rt * cols + c];
+  }
+  part[ty][tx] = s;
+  __syncthreads();
+  if (ty == 0 && c < cols) {
+    float total = part[0][tx];
+#pragma unroll
+    for (int k = 1; k < 8; ++k) total += part[k][tx];
+    dbias[c] = from_float<TOut>(total);
+  }
+}
+
+// Bytes of the fp32 workspace of column partial sums for a [rows, cols] iteration matrix.
+inline long long colsum_workspace_bytes(long long rows, long long cols) {
+  if (rows < 1 || cols < 1) return 0;
+  return (rows + kBlockRows - 1) / kBlockRows * cols * static_cast<long long>(sizeof(float));
+}
+
+// Folds the workspace into dbias [cols] of dtype TEP_FLOAT32 / FLOAT16 / BFLOAT16 (launch errors are left
+// for the caller's cudaGetLastError).
+inline void launch_colsum_finalize(const float* ws, long long rows, long long cols, void* dbias, int dbias_dtype,
+                                   cudaStream_t s) {
+  const long long row_tiles = (rows + kBlockRows - 1) / kBlockRows;
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32));
+  switch (dbias_dtype) {
+    case TEP_FLOAT32:
+      colsum_finalize_kernel<<<grid, 256, 0, s>>>(ws, row_tiles, cols, static_cast<float*>(dbias));
+      break;
+    case TEP_FLOAT16:
+      colsum_finalize_kernel<<<grid, 256, 0, s>>>(ws, row_tiles, cols, static_cast<__half*>(dbias));
+      break;
+    default:
+      colsum_finalize_kernel<<<grid, 256, 0, s>>>(ws, row_tiles, cols, static_cast<__nv_bfloat16*>(dbias));
+      break;
+  }
 }
 
 }  // namespace tile

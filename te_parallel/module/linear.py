@@ -22,6 +22,7 @@ from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.linear import LinearParallel, WgradTarget, linear
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim
+from te_parallel.parallel.groups import group_size
 from te_parallel.parallel.overlap import CommOverlap
 
 
@@ -221,7 +222,20 @@ def linear_forward(module: FP8Module, params: LinearParams, gemm: int, inp: torc
     """Run GEMM number `gemm` of `module` on `inp`; returns (out, bias-or-None)."""
     weights = params.weights(module)
     weight, bias = params.weight(module), params.bias(module)
+    if frame is not None and _below_fp8_size(frame, inp, weight, par):
+        frame = None  # a small GEMM: high precision is faster (Recipe.min_fp8_gemm)
     fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
     targets = params.wgrad_targets(module) if module.fuse_wgrad_accumulation else None
     out = linear(inp, weight, bias if add_bias else None, fp8, targets, par)
     return out, bias
+
+
+def _below_fp8_size(frame, inp: torch.Tensor, weight: torch.Tensor, par: LinearParallel) -> bool:
+    """True when this GEMM (M·K·N on this rank, M gathered under SP) is below the recipe's FP8 size on
+    CUDA. Never with comm-GEMM overlap (its buffers were sized for the FP8 bytes) or on the CPU."""
+    if not (frame.enabled and inp.is_cuda) or par.ub is not None:
+        return False
+    tokens = inp.numel() // max(inp.shape[-1], 1)
+    if par.gathers_input:
+        tokens *= group_size(par.group)
+    return tokens * weight.shape[0] * weight.shape[1] < frame.recipe.min_gemm()

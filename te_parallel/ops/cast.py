@@ -37,11 +37,14 @@ def quantize(
     *,
     amax_out: Optional[torch.Tensor] = None,
     transpose: bool = False,
+    dbias_out: Optional[torch.Tensor] = None,
 ) -> Float8Tensor:
     """Cast a 2-D tensor to FP8 with `scale` (fp32 scalar tensor).
 
     amax_out: a 1-element fp32 tensor (e.g. a view into an amax history row) that receives
     max(amax_out, amax(x)). transpose: also emit the contiguous [cols, rows] copy.
+    dbias_out: a [cols] tensor that receives the column sums of x (x is an output gradient; the sums
+    are its bias gradient), from the same read of x on CUDA.
     """
     _check_fp8_dtype(fp8_dtype)
     if x.dim() != 2:
@@ -50,8 +53,10 @@ def quantize(
     scale = scale.detach().to(torch.float32).reshape(())
     if _use_native(x):
         scale_inv = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel: 1 / scale
-        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv)
+        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv, dbias_out)
         return Float8Tensor(data=data, scale_inv=scale_inv, data_t=data_t)
+    if dbias_out is not None:
+        dbias_out.copy_(x.sum(0))
     if amax_out is not None:
         torch.maximum(amax_out, amax_of(x).view_as(amax_out), out=amax_out)
     limit = fp8_max(fp8_dtype)
@@ -66,13 +71,14 @@ def _use_native(x: torch.Tensor) -> bool:
 
 
 def quantize_current(
-    x: torch.Tensor, fp8_dtype: torch.dtype, *, amax: Optional[torch.Tensor] = None, transpose: bool = False
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, amax: Optional[torch.Tensor] = None, transpose: bool = False,
+    dbias_out: Optional[torch.Tensor] = None,
 ) -> Float8Tensor:
     """Current scaling: scale = fp8_max / amax(x) (or a given amax, e.g. one all-reduced across ranks)."""
     _check_fp8_dtype(fp8_dtype)
     if amax is None:
         amax = amax_of(x)
-    return quantize(x, current_scale(amax, fp8_max(fp8_dtype)), fp8_dtype, transpose=transpose)
+    return quantize(x, current_scale(amax, fp8_max(fp8_dtype)), fp8_dtype, transpose=transpose, dbias_out=dbias_out)
 
 
 def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

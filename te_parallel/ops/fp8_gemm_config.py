@@ -40,9 +40,11 @@ class GemmFP8:
         hist = self.state.tensors(backward)[0]
         return hist[0, slot : slot + 1]
 
-    def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool, amax_group=None) -> Float8Tensor:
+    def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool, amax_group=None,
+              dbias_out=None) -> Float8Tensor:
         """amax_group: for current scaling of a tensor that will be gathered, the ranks whose amaxes
-        are all-reduced first so that every shard is encoded with the same scale."""
+        are all-reduced first so that every shard is encoded with the same scale. dbias_out: receives
+        the column sums of x (see quantize)."""
         fmt = self.recipe.fp8_format
         dtype = fmt.bwd_dtype if backward else fmt.fwd_dtype
         if not self.delayed:
@@ -50,10 +52,10 @@ class GemmFP8:
             if amax_group is not None and dist.get_world_size(amax_group) > 1:
                 amax = amax_of(x)
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-            return quantize_current(x, dtype, amax=amax, transpose=transpose)
+            return quantize_current(x, dtype, amax=amax, transpose=transpose, dbias_out=dbias_out)
         scales = self.fwd_scale if (self.fwd_scale is not None and not backward) else self.state.tensors(backward)[1]
         amax_out = self._amax_cell(slot, backward) if (self.record or backward) else None
-        return quantize(x, scales[slot], dtype, amax_out=amax_out, transpose=transpose)
+        return quantize(x, scales[slot], dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out)
 
     def quantize_weight(self, w: torch.Tensor, amax_group=None, transpose: bool = False) -> Float8Tensor:
         """The weight W [N, K] (a shard under TP); transpose: also Wᵀ for dgrad, in the same pass
@@ -67,8 +69,9 @@ class GemmFP8:
     def cast_input(self, x: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
         return self._cast(x, self._slot(False), backward=False, transpose=transpose, amax_group=amax_group)
 
-    def cast_grad(self, dy: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
-        q = self._cast(dy, self._slot(True), backward=True, transpose=transpose, amax_group=amax_group)
+    def cast_grad(self, dy: torch.Tensor, transpose: bool, amax_group=None, dbias_out=None) -> Float8Tensor:
+        q = self._cast(dy, self._slot(True), backward=True, transpose=transpose, amax_group=amax_group,
+                       dbias_out=dbias_out)
         self.on_backward()
         return q
 

@@ -180,18 +180,21 @@ class LinearFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1] or bool(targets)
         dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.act_dtype)  # [M or M/tp, N]
+        need_dbias = ctx.has_bias and ctx.needs_input_grad[2]
         dbias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = dy2d.sum(0)
-            if par.gathers_grad:  # each rank summed its own M/tp tokens
-                all_reduce(dbias, par.group)
         if fp8 is not None and fp8.compute:
-            # dyᵀ for wgrad from the same pass, unless the gathered dy is transposed after the gather
-            dy = fp8.cast_grad(dy2d, transpose=need_dw and not par.gathers_grad, amax_group=par.amax_group)
+            # dyᵀ for wgrad and the bias gradient from the cast's read of dy (the gathered dy, if any,
+            # is transposed after the gather)
+            dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else None
+            dy = fp8.cast_grad(dy2d, transpose=need_dw and not par.gathers_grad, amax_group=par.amax_group,
+                               dbias_out=dbias)
         else:
             if fp8 is not None:
                 fp8.record_amax(dy2d, backward=True)
             dy = dy2d
+            dbias = dy2d.sum(0) if need_dbias else None
+        if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
+            all_reduce(dbias, par.group)
         # (the column path re-gathers the saved local shard: only when forward kept the shard)
         if par.overlap_dgrad and (par.mode == "row" or ctx.regather):
             dx2d, dy, dw = _overlapped_backward(ctx, dy, need_dx, need_dw)

@@ -28,6 +28,8 @@ def use_cuda(world: int) -> bool:
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    from te_parallel import recipe
+    recipe.DEFAULT_MIN_FP8_GEMM = 0  # the tests' small GEMMs must run in FP8 on CUDA too
     cuda = use_cuda(world)
     if cuda:
         torch.cuda.set_device(rank)

@@ -79,3 +79,32 @@ def test_transpose_fp8_bad_arguments():
         _native.transpose_fp8(torch.zeros(4, 4, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="need a contiguous non-empty 2-D FP8 CUDA tensor"):
         _native.transpose_fp8(torch.zeros(4, 8, device="cuda").to(torch.float8_e4m3fn).t())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cast_dbias_matches_reference(shape, dtype):
+    """The fused column sums: within fp32 summation error of the fp64 sum, and the FP8 outputs, amax and
+    scale_inv the same bytes as without them."""
+    torch.cuda.empty_cache()
+    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    scale = torch.tensor(1.7, device="cuda")
+    amax, amax2 = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    dbias = torch.full((shape[1],), float("nan"), device="cuda", dtype=dtype)
+    data, data_t = _native.cast_transpose_amax(x, scale, torch.float8_e5m2, amax, True, None, dbias)
+    plain, plain_t = _native.cast_transpose_amax(x, scale, torch.float8_e5m2, amax2, True)
+    assert torch.equal(data.view(torch.uint8), plain.view(torch.uint8))
+    assert torch.equal(data_t.view(torch.uint8), plain_t.view(torch.uint8)) and torch.equal(amax, amax2)
+    ref = x.double().sum(0)
+    tol = shape[0] * 2e-7 * x.double().abs().sum(0) + (ref.abs() * torch.finfo(dtype).eps if dtype != torch.float32 else 0)
+    assert ((dbias.double() - ref).abs() <= tol + 1e-30).all()
+    again = torch.empty_like(dbias)
+    _native.cast_transpose_amax(x, scale, torch.float8_e5m2, None, False, None, again)
+    assert torch.equal(again, dbias)  # deterministic, with or without the transposed output
+
+
+def test_cast_dbias_bad_arguments():
+    x = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"need a contiguous \[16\]"):
+        _native.cast_transpose_amax(x, torch.tensor(1.0, device="cuda"), torch.float8_e5m2, None, False, None,
+                                    torch.empty(8, device="cuda"))

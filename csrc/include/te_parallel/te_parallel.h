@@ -94,6 +94,22 @@ TEP_API tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long
                                            const float* scale, void* out, void* out_t, float* amax,
                                            float* scale_inv, int out_dtype, void* stream);
 
+/* Bytes of fp32 workspace tep_cast_transpose_dbias needs for x [rows, cols]. */
+TEP_API long long tep_cast_transpose_dbias_workspace_size(long long rows, long long cols);
+
+/*
+ * tep_cast_transpose_amax plus the column sums of x in the same read (x is an output gradient dy,
+ * the sums its bias gradient):
+ *   dbias[j] = sum_i x[i, j]   fp32 accumulation in a fixed order (deterministic), rounded once to
+ *                              dbias_dtype (TEP_FLOAT32 / FLOAT16 / BFLOAT16)
+ * `workspace`: device memory of tep_cast_transpose_dbias_workspace_size(rows, cols) bytes, 4-byte
+ * aligned, no initial contents (a second launch folds it into dbias).
+ */
+TEP_API tep_status tep_cast_transpose_dbias(const void* x, int x_dtype, long long rows, long long cols,
+                                            const float* scale, void* out, void* out_t, float* amax,
+                                            float* scale_inv, int out_dtype, void* dbias, int dbias_dtype,
+                                            void* workspace, long long workspace_bytes, void* stream);
+
 /*
  * Transpose of a row-major [rows, cols] matrix of 1-byte elements (FP8 bytes):
  *   out_t[j, i] = x[i, j]. Any rows, cols >= 1. Asynchronous on `stream`.

@@ -1,0 +1,45 @@
+"""Recipe.min_fp8_gemm: GEMMs below the size run in bf16 on CUDA, bit for bit the bf16 module."""
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import recipe
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+
+
+@pytest.mark.parametrize("rec_cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
+def test_small_gemm_runs_in_bf16_large_in_fp8(rec_cls):
+    lin = te.Linear(256, 128, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    ref_out = lin(x)
+    ref_out.backward(dy)
+    ref = (ref_out.detach(), x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone())
+    size = 64 * 256 * 128
+    for threshold, fp8 in ((size + 1, False), (size, True), (0, True)):
+        x.grad = lin.weight.grad = lin.bias.grad = None
+        with te.fp8_autocast(fp8_recipe=rec_cls(min_fp8_gemm=threshold)):
+            out = lin(x)
+        out.backward(dy)
+        got = (out.detach(), x.grad, lin.weight.grad, lin.bias.grad)
+        same = all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert same != fp8, f"threshold {threshold}: expected {'FP8' if fp8 else 'bf16'}"
+    if rec_cls is recipe.DelayedScaling:
+        assert lin.fp8_state.fwd_amax_history[1].max() > 0  # the FP8 passes recorded amaxes
+
+
+def test_default_threshold_applies(monkeypatch):
+    monkeypatch.setattr(recipe, "DEFAULT_MIN_FP8_GEMM", 2**40)
+    lin = te.Linear(256, 128, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with te.fp8_autocast():
+        out = lin(x)
+    assert torch.equal(out, lin(x))  # no FP8 state touched either
+    assert lin.fp8_state.fwd_amax_history.abs().max() == 0
+
+
+def test_bad_threshold():
+    with pytest.raises(ValueError, match="min_fp8_gemm must be None or an int >= 0"):
+        recipe.DelayedScaling(min_fp8_gemm=-1)
