@@ -61,9 +61,11 @@ ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torc
 
 # GEMMs smaller than this (M·K·N, on CUDA) run in the activation dtype instead of FP8 when a recipe
 # leaves `min_fp8_gemm` at None: there the casts, the extra launches and the host work cost more than
-# the FP8 GEMM saves. Measured with benchmarks/bench_linear.py --sweep (docs/benchmarks.md, "Small
-# GEMMs"). CPU runs (FP8 emulation, for development and tests) are never switched.
-DEFAULT_MIN_FP8_GEMM = 2**35
+# the FP8 GEMM saves. Measured with benchmarks/bench_linear.py --sweep on an H200 (docs/benchmarks.md,
+# "Small GEMMs"): FP8 fwd+bwd loses 2.5x at every size up to 6.9e10 (4096^3) and wins from 1.37e11
+# (8192x4096x4096) inside a model, where the host runs ahead of the GPU. CPU runs (FP8 emulation, for
+# development and tests) are never switched.
+DEFAULT_MIN_FP8_GEMM = 10**11
 
 
 @dataclass(frozen=True, kw_only=True)
