@@ -65,6 +65,18 @@ def fp8_gemm_tol(device) -> float:
     return 5e-4 if torch.device(device).type == "cuda" else 1e-5
 
 
+def fp8_layer_tol(device) -> float:
+    """Tolerance of a whole TransformerLayer under tensor parallelism against its one-process reference.
+
+    The chain is longer than one module's (norm, QKV, attention, projection, MLP) and crosses ranks: the
+    row-parallel partial sums add in another order than the reference's single GEMM, so on CUDA more
+    FP8 codes flip downstream, each by a whole step (E5M2 gradients: 12-25%). Measured on two H200s at
+    commits c7e3bb0 and a6a2d85 (current scaling): up to 1.65e-2 in a QKV weight gradient, against
+    5.8e-3 for single modules. Still below the > 3e-2 of a wrong format or scale.
+    """
+    return 2.5e-2 if torch.device(device).type == "cuda" else fp8_chain_tol(device)
+
+
 def fp8_chain_tol(device) -> float:
     """Tolerance of modules whose FP8 operands are intermediates (norm output, activation output).
 

@@ -57,11 +57,10 @@ class GemmFP8:
         amax_out = self._amax_cell(slot, backward) if (self.record or backward) else None
         return quantize(x, scales[slot], dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out)
 
-    def quantize_weight(self, w: torch.Tensor, amax_group=None, transpose: bool = False) -> Float8Tensor:
-        """The weight W [N, K] (a shard under TP); transpose: also Wᵀ for dgrad, in the same pass
-        (else it is made when dgrad first needs it)."""
+    def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
+        """The weight W [N, K] (a shard under TP); its transpose is made when dgrad first needs it."""
         slot = FP8ScalingState.weight_slot(self.gemm)
-        return self._cast(w, slot, backward=False, transpose=transpose, amax_group=amax_group)
+        return self._cast(w, slot, backward=False, transpose=False, amax_group=amax_group)
 
     def record_weight_amax(self, w: torch.Tensor) -> None:
         self._record(w, FP8ScalingState.weight_slot(self.gemm), backward=False)
