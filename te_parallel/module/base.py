@@ -76,6 +76,9 @@ class FP8Module(nn.Module):
     @property
     def param_dtype(self) -> torch.dtype:
         """The parameters' dtype now (after any `.to(dtype)`), TE's activation dtype outside torch.autocast."""
+        for p in self._parameters.values():  # the module's own parameters: no recursive walk per call
+            if p is not None:
+                return p.dtype
         return next(self.parameters()).dtype
 
     def drop_fp8_weight_cache(self) -> None:

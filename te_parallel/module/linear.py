@@ -138,7 +138,8 @@ class Linear(FP8Module, TensorParallelMixin):
         check_input("Linear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
         par = self._linear_parallel(self.parallel_mode, inp, self.ub)
-        out, bias = linear_forward(self, self._params, 0, inp.to(dtype), is_first_microbatch,
+        inp = inp if inp.dtype == dtype else inp.to(dtype)
+        out, bias = linear_forward(self, self._params, 0, inp, is_first_microbatch,
                                    self._fp8_frame(), add_bias=not self.return_bias, par=par)
         if not self.return_bias:
             return out
@@ -221,7 +222,7 @@ def linear_forward(module: FP8Module, params: LinearParams, gemm: int, inp: torc
                    is_first_microbatch, frame, add_bias: bool = True, par: LinearParallel = LinearParallel()):
     """Run GEMM number `gemm` of `module` on `inp`; returns (out, bias-or-None)."""
     weights = params.weights(module)
-    weight, bias = params.weight(module), params.bias(module)
+    weight, bias = cat_params(weights), params.bias(module)
     if frame is not None and _below_fp8_size(frame, inp, weight, par):
         frame = None  # a small GEMM: high precision is faster (Recipe.min_fp8_gemm)
     fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)

@@ -113,7 +113,9 @@ def _gather(t, group, async_op=False):
 def _fprop(x, w, bias, out_dtype):
     if isinstance(x, Float8Tensor):
         return gemm.fprop(x, w, out_dtype, bias)
-    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(out_dtype))
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def _dgrad(dy, w, out_dtype):
@@ -133,7 +135,10 @@ def _reduce_output(y2d: torch.Tensor, par: LinearParallel) -> torch.Tensor:
 
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, fp8: Optional[GemmFP8], wgrad_targets, par: LinearParallel, grad: bool):
+    def forward(ctx, inp, weight, bias, plan):
+        # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
+        # apply() walks every argument on each call (host time of small layers)
+        fp8, wgrad_targets, par, grad = plan
         out_features, in_features = weight.shape
         x2d = inp.reshape(-1, in_features)  # [M or M/tp, K]
         act_dtype, row = inp.dtype, par.active and par.mode == "row"
@@ -149,7 +154,7 @@ class LinearFunction(torch.autograd.Function):
         else:
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
-            x_local, w_used = x2d, weight.to(act_dtype)
+            x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
         if par.overlap_fprop and not row:  # column: gather ring under the GEMM
             fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
             y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False)[0]
@@ -204,7 +209,7 @@ class LinearFunction(torch.autograd.Function):
             _accumulate_main_grad(targets, dw)
             dw = None
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
-        return dx, dw, dbias, None, None, None, None
+        return dx, dw, dbias, None
 
 
 def _backward(ctx, dy, need_dx: bool, need_dw: bool):
@@ -282,4 +287,4 @@ def _reduce_dgrad(dx2d: torch.Tensor, par: LinearParallel):
 def linear(inp, weight, bias=None, fp8: Optional[GemmFP8] = None, wgrad_targets=None,
            par: LinearParallel = SINGLE) -> torch.Tensor:
     """Functional form of `LinearFunction` (inp already in the activation dtype)."""
-    return LinearFunction.apply(inp, weight, bias, fp8, wgrad_targets, par, torch.is_grad_enabled())
+    return LinearFunction.apply(inp, weight, bias, (fp8, wgrad_targets, par, torch.is_grad_enabled()))
