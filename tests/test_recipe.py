@@ -20,6 +20,8 @@ def test_alias_and_defaults():
     assert R.Format.HYBRID.fwd_dtype == torch.float8_e4m3fn and R.Format.HYBRID.bwd_dtype == torch.float8_e5m2
     assert R.Format.E4M3.bwd_dtype == torch.float8_e4m3fn and R.Format.E5M2.fwd_dtype == torch.float8_e5m2
     assert R.Float8CurrentScaling().fp8_format == R.Format.HYBRID
+    assert d.min_fp8_gemm is None and d.min_gemm() == R.DEFAULT_MIN_FP8_GEMM
+    assert R.Float8CurrentScaling(min_fp8_gemm=0).min_gemm() == 0
     with pytest.raises(Exception):
         d.margin = 1  # frozen
 
@@ -28,6 +30,7 @@ def test_alias_and_defaults():
     (dict(margin=-1), "margin"), (dict(interval=0), "interval"), (dict(amax_history_len=0), "amax_history_len"),
     (dict(amax_compute_algo="mean"), "amax_compute_algo"), (dict(fp8_format="E4M3"), "fp8_format"),
     (dict(scaling_factor_compute_algo=3), "scaling_factor_compute_algo"),
+    (dict(min_fp8_gemm=-1), "min_fp8_gemm"), (dict(min_fp8_gemm=1.5), "min_fp8_gemm"),
 ])
 def test_bad_recipe_args(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -129,3 +132,18 @@ def test_current_scale():
     assert current_scale(amax, E4M3_MAX).tolist()[:3] == [224.0, 1.0, 1.0]
     assert current_scale(amax, E4M3_MAX)[3].item() == 1.0
     assert math.isfinite(current_scale(torch.tensor([1e-45]), E4M3_MAX).item())
+
+
+def test_small_gemm_switch_never_applies_on_the_cpu():
+    """FP8 on the CPU is emulation for development and tests: a huge min_fp8_gemm still quantizes."""
+    import te_parallel as te
+
+    torch.manual_seed(0)
+    lin = te.Linear(64, 32)
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        hp = lin(x)
+        with te.fp8_autocast(fp8_recipe=R.DelayedScaling(min_fp8_gemm=2**60)):
+            q = lin(x)
+    assert not torch.equal(q, hp)  # quantized: the FP8 path ran
+    assert lin.fp8_state.fwd_amax_history[1].max() > 0  # and recorded its amaxes
