@@ -21,8 +21,7 @@ from te_parallel.module.base import (
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.linear import LinearParallel, WgradTarget, linear
 from te_parallel.parallel.collectives import all_reduce_grad
-from te_parallel.parallel.groups import check_divisible, check_scatter_dim
-from te_parallel.parallel.groups import group_size
+from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
 from te_parallel.parallel.overlap import CommOverlap
 
 
