@@ -26,8 +26,10 @@ from te_parallel.examples.gpt import GPT, GPTConfig
 from te_parallel.examples.world import World, destroy, init_world, run_world
 from te_parallel.parallel.random import CudaRNGStatesTracker, model_parallel_seed
 
-RECIPES = {"off": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=16),
-           "current": lambda: recipe.Float8CurrentScaling()}
+# min_fp8_gemm=0: every GEMM in FP8 even at this example's small sizes, where the default would run
+# them in bf16 on a GPU (Recipe.min_fp8_gemm): the example exists to train with FP8.
+RECIPES = {"off": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=16, min_fp8_gemm=0),
+           "current": lambda: recipe.Float8CurrentScaling(min_fp8_gemm=0)}
 
 
 def parse_args(argv=None):
