@@ -197,7 +197,9 @@ def layer_rows(ub, group, rank, tp, batch):
         layer = te.TransformerLayer(**kw, **extra)
 
         def step():
-            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+            # min_fp8_gemm=0: every GEMM in FP8 in both rows (the overlap path never switches to bf16;
+            # without it the projection, 6.9e10 per rank at b=4, would run in bf16 in the NCCL row)
+            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm=0)):
                 y = layer(x)
             y.backward(dy)
         ms = _timed(step, iters=10)
