@@ -24,23 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda, time_cuda_stream  # noqa: E402
+from common import report, time_cuda, time_cuda_stream, training_step  # noqa: E402
 from te_parallel import recipe  # noqa: E402
-
-
-def _step_fn(module, x, dy, fp8_recipe=None):
-    params = list(module.parameters())
-
-    def step():
-        x.grad = None  # optimizer.zero_grad(set_to_none=True): no .grad accumulation in the timing
-        for p in params:
-            p.grad = None
-        if fp8_recipe is not None:
-            module.drop_fp8_weight_cache()
-        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-            y = module(x)
-        y.backward(dy)
-    return step
 
 
 def bench_shape(m: int, k: int, n: int):
@@ -56,7 +41,7 @@ def bench_shape(m: int, k: int, n: int):
     base = None
     base_synced = None
     for name, mod, rec in cases:
-        step = _step_fn(mod, x, dy, rec)
+        step = training_step(mod, x, dy, rec)
         ms, synced = time_cuda_stream(step), time_cuda(step)
         base, base_synced = base or ms, base_synced or synced
         rows.append({"shape": f"{m}x{k}->{n}", "case": name, "ms": ms, "tflops": flops / ms / 1e9,
@@ -76,8 +61,8 @@ def sweep(shapes, json_path) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         lin = te.Linear(k, n, device="cuda", params_dtype=torch.bfloat16)
-        bf = time_cuda_stream(_step_fn(lin, x, dy))
-        f8 = time_cuda_stream(_step_fn(lin, x, dy, recipe.DelayedScaling(min_fp8_gemm=0)))
+        bf = time_cuda_stream(training_step(lin, x, dy))
+        f8 = time_cuda_stream(training_step(lin, x, dy, recipe.DelayedScaling(min_fp8_gemm=0)))
         rows.append({"shape": s, "MKN": m * k * n, "te_bf16_ms": bf, "te_fp8_forced_ms": f8, "fp8_speedup": bf / f8})
     rows.sort(key=lambda r: r["MKN"])
     # the smallest size from which FP8 wins at every larger measured shape

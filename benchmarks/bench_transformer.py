@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda, time_cuda_stream  # noqa: E402
+from common import report, time_cuda, time_cuda_stream, training_step  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 
 
@@ -68,40 +68,14 @@ def main() -> None:
     dy = torch.randn_like(x)
     fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
     rows = []
-
-    def stepper(mod, fp8_recipe=None):
-        params = list(mod.parameters())
-
-        def clear_grads():
-            x.grad = None  # optimizer.zero_grad(set_to_none=True): no .grad accumulation in the timing
-            for p in params:
-                p.grad = None
-
-        def step():
-            clear_grads()
-            if fp8_recipe is not None:
-                for m in mod.modules():
-                    if hasattr(m, "drop_fp8_weight_cache"):
-                        m.drop_fp8_weight_cache()  # training: weights change every step
-            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-                y = mod(x)
-            y.backward(dy)
-        step.clear_grads = clear_grads
-        return step
-
-    base = measure("torch bf16 + SDPA", stepper(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt)), rows)
+    base = measure("torch bf16 + SDPA", training_step(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt), x, dy), rows)
     layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, params_dtype=dt, device="cuda")
-    measure("te bf16", stepper(layer), rows, base)
-    measure("te FP8 delayed", stepper(layer, fp8), rows, base)
-    measure("te FP8 current", stepper(layer, recipe.Float8CurrentScaling()), rows, base)
+    measure("te bf16", training_step(layer, x, dy), rows, base)
+    measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
+    measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
     graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
 
-    layer_params = list(layer.parameters())
-
-    def graph_clear():
-        x.grad = None
-        for p in layer_params:
-            p.grad = None
+    graph_clear = training_step(layer, x, dy).clear_grads
 
     def graph_step():
         graph_clear()

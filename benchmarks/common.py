@@ -10,20 +10,27 @@ from typing import Callable, Dict, List
 import torch
 
 
-def time_cuda(fn: Callable[[], None], warmup: int = 10, iters: int = 50) -> float:
-    """Median milliseconds of fn() over `iters` runs, each timed with its own pair of CUDA events."""
+def _events_ms(fn: Callable[[], None], calls: int) -> float:
+    """Milliseconds between a pair of CUDA events around `calls` back-to-back calls of fn()."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _warm(fn: Callable[[], None], warmup: int) -> None:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+
+def time_cuda(fn: Callable[[], None], warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of fn() over `iters` runs, each timed with its own pair of CUDA events."""
+    _warm(fn, warmup)
+    return statistics.median(_events_ms(fn, 1) for _ in range(iters))
 
 
 def time_cuda_stream(fn: Callable[[], None], warmup: int = 5, iters: int = 20, repeats: int = 5) -> float:
@@ -32,19 +39,35 @@ def time_cuda_stream(fn: Callable[[], None], warmup: int = 5, iters: int = 20, r
     time to issue a call is hidden wherever it is shorter than the GPU's (and shows where it is not),
     whereas time_cuda starts every call on an idle GPU and adds the host's latency to its first kernel.
     """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+    _warm(fn, warmup)
+    return statistics.median(_events_ms(fn, iters) / iters for _ in range(repeats))
+
+
+def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None) -> Callable[[], None]:
+    """One fwd+bwd of `module` on x as a training loop runs it: gradients cleared first
+    (optimizer.zero_grad(set_to_none=True), so no .grad accumulation is timed), FP8 weight casts
+    dropped (the optimizer changes the weights every step). `step.clear_grads()` clears alone."""
+    import te_parallel as te
+
+    params = list(module.parameters())
+
+    def clear_grads():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def step():
+        clear_grads()
+        if fp8_recipe is not None:
+            for m in module.modules():
+                if hasattr(m, "drop_fp8_weight_cache"):
+                    m.drop_fp8_weight_cache()
+        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+            y = module(x)
+        y.backward(dy)
+
+    step.clear_grads = clear_grads
+    return step
 
 
 def environment() -> Dict[str, str]:

@@ -22,27 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda  # noqa: E402
+from common import report, time_cuda, training_step  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "bf16": None, "torch": None}
-
-
-def _stepper(module, x, dy, rec):
-    params = list(module.parameters())
-
-    def step():
-        x.grad = None  # optimizer.zero_grad(set_to_none=True)
-        for p in params:
-            p.grad = None
-        if rec is not None:
-            for m in module.modules():
-                if hasattr(m, "drop_fp8_weight_cache"):
-                    m.drop_fp8_weight_cache()
-        with te.fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
-            y = module(x)
-        y.backward(dy)
-    return step
 
 
 def _build(kind: str, args):
@@ -61,7 +44,7 @@ def _build(kind: str, args):
                else te.TransformerLayer(h, ffn, heads, params_dtype=dt, device="cuda"))
         x = torch.randn(2048, args.batch, h, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn_like(x)
-    return _stepper(mod, x, dy, rec)
+    return training_step(mod, x, dy, rec)
 
 
 def profile(kind: str, args) -> list:
