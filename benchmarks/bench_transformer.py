@@ -7,10 +7,13 @@ Same run, same GPU, bf16 parameters, dropout 0.1 (the seed's settings), causal a
 Each step starts from cleared gradients (optimizer.zero_grad(set_to_none=True)), so no .grad
 accumulation is timed. Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd from cleared
 gradients, minus the memory held before it (so it counts activations, FP8 copies and the new gradients).
+`--ablate` adds FP8 rows with one optimisation switched off each (same run): the MLP activation's own FP8
+casts (te_parallel/ops/mlp.py) and the forward GEMMs' fast accumulation (ops/gemm.FPROP_FAST_ACCUM).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -57,11 +60,28 @@ def measure(name, step, rows, base=None):
     return ms, synced
 
 
+@contextlib.contextmanager
+def switched_off(what: str):
+    """One optimisation off for an ablation row: "fused activation" or "fast fprop accumulation"."""
+    from te_parallel.module import layernorm_mlp
+    from te_parallel.ops import gemm
+
+    owner, name, value = ((layernorm_mlp, "can_fuse", lambda *args: False) if what == "fused activation"
+                          else (gemm, "FPROP_FAST_ACCUM", False))
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for k, v in dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4).items():
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ablate", action="store_true", help="add FP8 rows with one optimisation off each")
     a = ap.parse_args()
     dt = torch.bfloat16
     x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=dt, requires_grad=True)
@@ -73,6 +93,9 @@ def main() -> None:
     measure("te bf16", training_step(layer, x, dy), rows, base)
     measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
     measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
+    for what in ("fused activation", "fast fprop accumulation") if a.ablate else ():
+        with switched_off(what):
+            measure(f"te FP8 delayed, no {what}", training_step(layer, x, dy, fp8), rows, base)
     graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
 
     graph_clear = training_step(layer, x, dy).clear_grads

@@ -7,11 +7,13 @@ import torch
 
 from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
 from te_parallel.module.layernorm_linear import add_norm_params, norm_forward, pack_outputs
-from te_parallel.module.linear import Linear, LinearParams, linear_forward, mark_sequence_parallel, overlap_settings
+from te_parallel.module.linear import Linear, LinearParams, gemm_plan, mark_sequence_parallel, overlap_settings
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 from te_parallel.parallel.groups import check_divisible
 from te_parallel.ops.activation import apply_activation, check_activation, is_gated
+from te_parallel.ops.linear import LinearFunction
+from te_parallel.ops.mlp import FusedMLPFunction, can_fuse
 
 
 class LayerNormMLP(FP8Module, TensorParallelMixin):
@@ -96,10 +98,16 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         fc1_par = self._linear_parallel("column" if self.set_parallel_mode else None, inp, self.ub_fc1)
         fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp, self.ub_fc2)
         ln_out = norm_forward(self, inp.to(dtype))
-        fc1_out, _ = linear_forward(self, self._fc1, 0, ln_out, is_first_microbatch, frame, par=fc1_par)
-        act_out = apply_activation(self.activation, fc1_out)
-        out, fc2_bias = linear_forward(self, self._fc2, 1, act_out, is_first_microbatch, frame,
-                                       add_bias=not self.return_bias, par=fc2_par)
+        w1, b1, plan1 = gemm_plan(self, self._fc1, 0, ln_out, is_first_microbatch, frame, fc1_par)
+        tokens = ln_out.numel() // self.hidden_size * (self.tp_size if fc1_par.gathers_input else 1)
+        w2, fc2_bias, plan2 = gemm_plan(self, self._fc2, 1, ln_out, is_first_microbatch, frame, fc2_par,
+                                        in_tokens=tokens)
+        b2 = None if self.return_bias else fc2_bias
+        if can_fuse(plan1[0], plan2[0], fc1_par):  # the activation casts its output / gradient to FP8 itself
+            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, (self.activation, plan1, plan2))
+        else:
+            fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
+            out = LinearFunction.apply(apply_activation(self.activation, fc1_out), w2, b2, plan2)
         fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)
         if self.return_bias and fc2_par.gathers_grad:
             fc2_bias = all_reduce_grad(fc2_bias, self.tp_group)

@@ -19,7 +19,7 @@ from te_parallel.module.base import (
     split_sizes,
 )
 from te_parallel.module.parallel_mixin import TensorParallelMixin
-from te_parallel.ops.linear import LinearParallel, WgradTarget, linear
+from te_parallel.ops.linear import LinearFunction, LinearParallel, WgradTarget
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
 from te_parallel.parallel.overlap import CommOverlap
@@ -220,22 +220,31 @@ def mark_sequence_parallel(module: nn.Module, names) -> None:
 def linear_forward(module: FP8Module, params: LinearParams, gemm: int, inp: torch.Tensor,
                    is_first_microbatch, frame, add_bias: bool = True, par: LinearParallel = LinearParallel()):
     """Run GEMM number `gemm` of `module` on `inp`; returns (out, bias-or-None)."""
-    weights = params.weights(module)
-    weight, bias = cat_params(weights), params.bias(module)
-    if frame is not None and _below_fp8_size(frame, inp, weight, par):
-        frame = None  # a small GEMM: high precision is faster (Recipe.min_fp8_gemm)
-    fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
-    targets = params.wgrad_targets(module) if module.fuse_wgrad_accumulation else None
-    out = linear(inp, weight, bias if add_bias else None, fp8, targets, par)
+    weight, bias, plan = gemm_plan(module, params, gemm, inp, is_first_microbatch, frame, par)
+    out = LinearFunction.apply(inp, weight, bias if add_bias else None, plan)
     return out, bias
 
 
-def _below_fp8_size(frame, inp: torch.Tensor, weight: torch.Tensor, par: LinearParallel) -> bool:
+def gemm_plan(module: FP8Module, params: LinearParams, gemm: int, inp: torch.Tensor, is_first_microbatch, frame,
+              par: LinearParallel, in_tokens: Optional[int] = None):
+    """(weight, bias, LinearFunction plan) of GEMM number `gemm` of `module` for an input like `inp`
+    ([..., K]; or any tensor on the input's device with the token count given as `in_tokens`)."""
+    weights = params.weights(module)
+    weight, bias = cat_params(weights), params.bias(module)
+    if in_tokens is None:
+        in_tokens = inp.numel() // max(inp.shape[-1], 1)
+    if frame is not None and _below_fp8_size(frame, inp.is_cuda, in_tokens, weight, par):
+        frame = None  # a small GEMM: high precision is faster (Recipe.min_fp8_gemm)
+    fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
+    targets = params.wgrad_targets(module) if module.fuse_wgrad_accumulation else None
+    return weight, bias, (fp8, targets, par, torch.is_grad_enabled())
+
+
+def _below_fp8_size(frame, is_cuda: bool, tokens: int, weight: torch.Tensor, par: LinearParallel) -> bool:
     """True when this GEMM (M·K·N on this rank, M gathered under SP) is below the recipe's FP8 size on
     CUDA. Never with comm-GEMM overlap (its buffers were sized for the FP8 bytes) or on the CPU."""
-    if not (frame.enabled and inp.is_cuda) or par.ub is not None:
+    if not (frame.enabled and is_cuda) or par.ub is not None:
         return False
-    tokens = inp.numel() // max(inp.shape[-1], 1)
     if par.gathers_input:
         tokens *= group_size(par.group)
     return tokens * weight.shape[0] * weight.shape[1] < frame.recipe.min_gemm()

@@ -53,9 +53,34 @@ class GemmFP8:
                 amax = amax_of(x)
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
             return quantize_current(x, dtype, amax=amax, transpose=transpose, dbias_out=dbias_out)
+        scale, amax_out = self._delayed_scale(slot, backward)
+        return quantize(x, scale, dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out)
+
+    def _delayed_scale(self, slot: int, backward: bool):
+        """(scale, amax cell or None) of a delayed-scaling cast into `slot`."""
         scales = self.fwd_scale if (self.fwd_scale is not None and not backward) else self.state.tensors(backward)[1]
-        amax_out = self._amax_cell(slot, backward) if (self.record or backward) else None
-        return quantize(x, scales[slot], dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out)
+        return scales[slot], self._amax_cell(slot, backward) if (self.record or backward) else None
+
+    def cast_activation(self, name: str, h: torch.Tensor, transpose: bool) -> Float8Tensor:
+        """act(h) (fc1's output h [M, cols]) cast as this GEMM's input in the activation's own pass
+        (delayed scaling only: the scale is known before the pass)."""
+        from te_parallel.ops.native_activation import bias_activation_fp8
+
+        scale, amax_out = self._delayed_scale(self._slot(False), False)
+        return bias_activation_fp8(name, h, None, scale, self.recipe.fp8_format.fwd_dtype, amax_out=amax_out,
+                                   transpose=transpose)
+
+    def cast_dactivation(self, name: str, dact: torch.Tensor, h: torch.Tensor, transpose: bool, need_dbias: bool):
+        """(FP8 dy, dbias or None) of this GEMM (fc1) from the activation's backward at h, given the
+        gradient `dact` of the activation's output: dy = dact * act'(h), cast as this GEMM's output
+        gradient in the same pass (delayed scaling only)."""
+        from te_parallel.ops.native_activation import dbias_dactivation_fp8
+
+        scale, amax_out = self._delayed_scale(self._slot(True), True)
+        q, dbias = dbias_dactivation_fp8(name, dact, h, None, scale, self.recipe.fp8_format.bwd_dtype,
+                                         amax_out=amax_out, transpose=transpose, need_dbias=need_dbias)
+        self.on_backward()
+        return q, dbias
 
     def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
         """The weight W [N, K] (a shard under TP); its transpose is made when dgrad first needs it."""

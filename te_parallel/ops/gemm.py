@@ -50,8 +50,12 @@ def fp8_mm(
     bias: Optional[torch.Tensor] = None,
     what: str = "",
     out: Optional[torch.Tensor] = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a · a_scale_inv) @ (b · b_scale_inv) + bias, accumulated in fp32.
+
+    fast_accum: cuBLASLt's FAST_ACCUM (no periodic promotion of the tensor cores' partial sums to
+    fp32 registers; faster, less exact for long K). See FPROP_FAST_ACCUM.
 
     a: [M, K] FP8 row-major (contiguous); b: [K, N] FP8 column-major (b.t() contiguous).
     out: optional contiguous [M, N] of out_dtype to write into (e.g. rows of a larger output).
@@ -75,6 +79,7 @@ def fp8_mm(
         scale_b=b_scale_inv.reshape(()).to(torch.float32),
         bias=bias if fuse_bias else None,
         out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
         **kwargs,
     )
     if bias is not None and not fuse_bias:
@@ -93,10 +98,16 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     return out.to(out_dtype)
 
 
+# TE's choice, kept: the forward GEMM uses fast accumulation; dgrad and wgrad promote the partial sums
+# to fp32 (wgrad sums over every token, where reduced-precision accumulation would cost the most).
+# The speed difference is in docs/benchmarks.md; the CPU path is exact fp32 either way.
+FPROP_FAST_ACCUM = True
+
+
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None):
     """y [M, N] = x [M, K] · W[N, K]ᵀ."""
-    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out)
+    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out, FPROP_FAST_ACCUM)
 
 
 def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
 from te_parallel.ops import linear_overlap as ov
-from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.parallel.collectives import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from te_parallel.parallel.groups import group_size
 
@@ -133,18 +132,32 @@ def _reduce_output(y2d: torch.Tensor, par: LinearParallel) -> torch.Tensor:
     return y2d
 
 
-class LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, inp, weight, bias, plan):
-        # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
-        # apply() walks every argument on each call (host time of small layers)
-        fp8, wgrad_targets, par, grad = plan
-        out_features, in_features = weight.shape
-        x2d = inp.reshape(-1, in_features)  # [M or M/tp, K]
-        act_dtype, row = inp.dtype, par.active and par.mode == "row"
-        need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
-        # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
-        regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute or par.overlap_fprop)
+class LinearSaved:
+    """What the backward of one linear forward needs (LinearFunction's context, or one GEMM of a fused
+    Function such as ops.mlp's)."""
+
+    __slots__ = ("fp8", "targets", "par", "act_dtype", "has_bias", "weight_dtype", "w_saved", "x_saved", "regather")
+
+
+def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor], plan,
+                   act_dtype: torch.dtype, x_q: Optional[Float8Tensor] = None):
+    """y2d = x2d·Wᵀ + b on this rank (the collectives of `par` included); returns (y2d, LinearSaved).
+
+    plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode). x_q: the input already cast to
+    FP8 with this GEMM's input scale (e.g. by the activation kernel before fc2; with its transpose when
+    wgrad will need it), used instead of casting x2d (then None). Not with an input to gather.
+    """
+    fp8, wgrad_targets, par, grad = plan
+    out_features, in_features = weight.shape
+    row = par.active and par.mode == "row"
+    need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
+    # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
+    regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute or par.overlap_fprop)
+    if x_q is not None:
+        if par.gathers_input or fp8 is None or not fp8.compute:
+            raise ValueError("linear_fwd: a pre-quantized input needs an FP8 GEMM whose input is not gathered")
+        x_local, w_used = x_q, fp8.weight
+    else:
         if par.gathers_input and not regather:
             x2d = _gather(x2d, par.group)[0]
         if fp8 is not None and fp8.compute:
@@ -155,105 +168,127 @@ class LinearFunction(torch.autograd.Function):
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
             x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
-        if par.overlap_fprop and not row:  # column: gather ring under the GEMM
-            fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
-            y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False)[0]
-        elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
-            fp = lambda a, out: ov.fprop_into(a, w_used, None, out)  # noqa: E731
-            y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype)
-        else:
-            x_used = _gather(x_local, par.group)[0] if regather else x_local
-            y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
-            if row:
-                y2d = _reduce_output(y2d, par)
-        if row and bias is not None:
-            y2d = y2d + bias.to(act_dtype)
-        ctx.fp8, ctx.targets, ctx.par, ctx.act_dtype = fp8, wgrad_targets, par, act_dtype
-        ctx.has_bias, ctx.weight_dtype, ctx.inp_shape = bias is not None, weight.dtype, inp.shape
-        ctx.w_saved = w_used
-        ctx.x_saved, ctx.regather = None, regather
-        if need_wgrad:  # the local shard when backward re-gathers it, else (FP8) xᵀ only
-            keep = regather or not isinstance(x_local, Float8Tensor)
-            ctx.x_saved = x_local if keep else _only_transposed(x_local)
+    if par.overlap_fprop and not row:  # column: gather ring under the GEMM
+        fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
+        y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False)[0]
+    elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
+        fp = lambda a, out: ov.fprop_into(a, w_used, None, out)  # noqa: E731
+        y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype)
+    else:
+        x_used = _gather(x_local, par.group)[0] if regather else x_local
+        y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
+        if row:
+            y2d = _reduce_output(y2d, par)
+    if row and bias is not None:
+        y2d = y2d + bias.to(act_dtype)
+    s = LinearSaved()
+    s.fp8, s.targets, s.par, s.act_dtype = fp8, wgrad_targets, par, act_dtype
+    s.has_bias, s.weight_dtype, s.w_saved = bias is not None, weight.dtype, w_used
+    s.x_saved, s.regather = None, regather
+    if need_wgrad:  # the local shard when backward re-gathers it, else (FP8) xᵀ only
+        keep = regather or not isinstance(x_local, Float8Tensor)
+        s.x_saved = x_local if keep else _only_transposed(x_local)
+    return y2d, s
+
+
+def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need_dw: bool, need_dbias: bool,
+                    dy_q: Optional[Float8Tensor] = None, dbias: Optional[torch.Tensor] = None):
+    """(dx2d, dw, dbias) of one linear_fwd (None where not needed; dw None when accumulated into
+    main_grad). dy2d [M or M/tp, N] in the activation dtype; or dy_q, the output gradient already cast
+    with this GEMM's gradient scale (with its transpose when wgrad is needed) together with its dbias
+    (e.g. by the activation's backward kernel, which also counted the cast: GemmFP8.cast_dactivation)."""
+    fp8, targets, par = s.fp8, s.targets, s.par
+    if dy_q is not None:
+        dy = dy_q
+    elif fp8 is not None and fp8.compute:
+        # dyᵀ for wgrad and the bias gradient from the cast's read of dy (the gathered dy, if any,
+        # is transposed after the gather)
+        dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else None
+        dy = fp8.cast_grad(dy2d, transpose=need_dw and not par.gathers_grad, amax_group=par.amax_group,
+                           dbias_out=dbias)
+    else:
+        if fp8 is not None:
+            fp8.record_amax(dy2d, backward=True)
+        dy = dy2d
+        dbias = dy2d.sum(0) if need_dbias else None
+    if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
+        all_reduce(dbias, par.group)
+    # (the column path re-gathers the saved local shard: only when forward kept the shard)
+    if par.overlap_dgrad and (par.mode == "row" or s.regather):
+        dx2d, dy, dw = _overlapped_backward(s, dy, need_dx, need_dw)
+    else:
+        dx2d, dw = _backward(s, dy, need_dx, need_dw)
+    if targets and dw is not None:
+        _accumulate_main_grad(targets, dw)
+        dw = None
+    return dx2d, dw, dbias
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight, bias, plan):
+        # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
+        # apply() walks every argument on each call (host time of small layers)
+        out_features, in_features = weight.shape
+        y2d, ctx.s = linear_fwd(inp.reshape(-1, in_features), weight, bias, plan, inp.dtype)  # x [M or M/tp, K]
+        ctx.inp_shape = inp.shape
         if inp.dim() == 1:
             return y2d.reshape(out_features)
         return y2d.reshape(-1, *inp.shape[1:-1], out_features)  # dim 0: s, s·tp (gathered) or s/tp (scattered)
 
     @staticmethod
     def backward(ctx, grad_out):
-        fp8, targets, par = ctx.fp8, ctx.targets, ctx.par
-        need_dx = ctx.needs_input_grad[0]
-        need_dw = ctx.needs_input_grad[1] or bool(targets)
-        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.act_dtype)  # [M or M/tp, N]
-        need_dbias = ctx.has_bias and ctx.needs_input_grad[2]
-        dbias = None
-        if fp8 is not None and fp8.compute:
-            # dyᵀ for wgrad and the bias gradient from the cast's read of dy (the gathered dy, if any,
-            # is transposed after the gather)
-            dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else None
-            dy = fp8.cast_grad(dy2d, transpose=need_dw and not par.gathers_grad, amax_group=par.amax_group,
-                               dbias_out=dbias)
-        else:
-            if fp8 is not None:
-                fp8.record_amax(dy2d, backward=True)
-            dy = dy2d
-            dbias = dy2d.sum(0) if need_dbias else None
-        if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
-            all_reduce(dbias, par.group)
-        # (the column path re-gathers the saved local shard: only when forward kept the shard)
-        if par.overlap_dgrad and (par.mode == "row" or ctx.regather):
-            dx2d, dy, dw = _overlapped_backward(ctx, dy, need_dx, need_dw)
-        else:
-            dx2d, dw = _backward(ctx, dy, need_dx, need_dw)
-        if targets and dw is not None:
-            _accumulate_main_grad(targets, dw)
-            dw = None
+        s = ctx.s
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(s.act_dtype)  # [M or M/tp, N]
+        need_dw = ctx.needs_input_grad[1] or bool(s.targets)
+        dx2d, dw, dbias = linear_bwd(s, dy2d, ctx.needs_input_grad[0], need_dw,
+                                          s.has_bias and ctx.needs_input_grad[2])
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
         return dx, dw, dbias, None
 
 
-def _backward(ctx, dy, need_dx: bool, need_dw: bool):
+def _backward(s, dy, need_dx: bool, need_dw: bool):
     """dgrad and wgrad with NCCL collectives (async where a GEMM can hide them; see the module doc)."""
-    par, targets = ctx.par, ctx.targets
+    par, targets = s.par, s.targets
     if par.gathers_grad:
         dy = _gather(dy, par.group)[0]
-    x_full, x_handle = ctx.x_saved, None
-    if need_dw and ctx.regather:
-        x_full, x_handle = _gather(ctx.x_saved, par.group, async_op=True)  # overlaps dgrad
+    x_full, x_handle = s.x_saved, None
+    if need_dw and s.regather:
+        x_full, x_handle = _gather(s.x_saved, par.group, async_op=True)  # overlaps dgrad
     dx2d, dx_handle = None, None
     if need_dx:
-        dx2d = _dgrad(dy, ctx.w_saved, ctx.act_dtype)
+        dx2d = _dgrad(dy, s.w_saved, s.act_dtype)
         dx2d, dx_handle = _reduce_dgrad(dx2d, par)  # async, overlaps wgrad
     dw = None
     if need_dw:
         if x_handle is not None:
             x_handle.wait()
-        dw = _wgrad(dy, x_full, torch.float32 if targets else ctx.weight_dtype)
+        dw = _wgrad(dy, x_full, torch.float32 if targets else s.weight_dtype)
     if dx_handle is not None:
         dx_handle.wait()
     return dx2d, dw
 
 
-def _overlapped_backward(ctx, dy, need_dx: bool, need_dw: bool):
+def _overlapped_backward(s, dy, need_dx: bool, need_dw: bool):
     """Backward with comm-GEMM overlap; returns (dx2d, dy as used, dw)."""
-    par, targets = ctx.par, ctx.targets
-    wdtype = torch.float32 if targets else ctx.weight_dtype
+    par, targets = s.par, s.targets
+    wdtype = torch.float32 if targets else s.weight_dtype
     dx2d, dw = None, None
     if par.mode == "row":  # dy [m, N] gathered chunk by chunk under dgrad; the whole dy kept for wgrad
-        n_in = ctx.w_saved.shape[1]
+        n_in = s.w_saved.shape[1]
         if need_dx:
-            dg = lambda a, out: ov.dgrad_into(a, ctx.w_saved, out)  # noqa: E731
-            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, ctx.act_dtype, keep_gathered=need_dw)
+            dg = lambda a, out: ov.dgrad_into(a, s.w_saved, out)  # noqa: E731
+            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, s.act_dtype, keep_gathered=need_dw)
         else:
             dy_full = _gather(dy, par.group)[0]
         if need_dw:
-            dw = _wgrad(dy_full, ctx.x_saved, wdtype)
+            dw = _wgrad(dy_full, s.x_saved, wdtype)
         return dx2d, dy_full, dw
     # column: x re-gathered under dgrad, dx reduce-scattered under wgrad
-    bulk = ov.BulkBackward(par.ub, ctx.x_saved if need_dw else None)
+    bulk = ov.BulkBackward(par.ub, s.x_saved if need_dw else None)
     if need_dx:
         rows = _rows_of(dy)
-        bulk.dgrad_rs(dy, ctx.w_saved, rows, ctx.w_saved.shape[1], ctx.act_dtype, _device_of(dy))
+        bulk.dgrad_rs(dy, s.w_saved, rows, s.w_saved.shape[1], s.act_dtype, _device_of(dy))
     if need_dw:
         dw = _wgrad(dy, bulk.x_full(), wdtype)
     if need_dx:
@@ -282,9 +317,3 @@ def _reduce_dgrad(dx2d: torch.Tensor, par: LinearParallel):
     if par.sequence_parallel:
         return reduce_scatter_dim0(dx2d, par.group, async_op=True)
     return dx2d, all_reduce(dx2d, par.group, async_op=True)
-
-
-def linear(inp, weight, bias=None, fp8: Optional[GemmFP8] = None, wgrad_targets=None,
-           par: LinearParallel = SINGLE) -> torch.Tensor:
-    """Functional form of `LinearFunction` (inp already in the activation dtype)."""
-    return LinearFunction.apply(inp, weight, bias, (fp8, wgrad_targets, par, torch.is_grad_enabled()))

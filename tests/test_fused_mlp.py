@@ -1,0 +1,112 @@
+"""LayerNormMLP under delayed scaling runs fc1 → activation → fc2 as one Function (te_parallel/ops/mlp.py)
+whose activation kernels emit fc2's FP8 input and fc1's FP8 output gradient themselves.
+
+It must compute what the unfused path computes (LinearFunction, activation, LinearFunction), step after
+step while the amax history and the scales move: the same output, the same gradients, the same FP8
+scaling state, bit for bit. The one exception is fc1's bias gradient, summed by the activation kernel
+in another fp32 order than the gradient cast's (close, not equal, on CUDA).
+"""
+import copy
+
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import recipe
+from te_parallel.module import layernorm_mlp
+from te_parallel.ops import mlp as mlp_ops
+
+STEPS = 3
+
+
+def _steps(module, x, dy, rec, fuse: bool, monkeypatch):
+    """STEPS training steps (SGD on the weights, so the FP8 weight cache recasts); what each produced."""
+    if not fuse:
+        monkeypatch.setattr(layernorm_mlp, "can_fuse", lambda *args: False)
+    calls = []
+    real = mlp_ops.FusedMLPFunction.forward
+    monkeypatch.setattr(mlp_ops.FusedMLPFunction, "forward",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    seen = []
+    for _ in range(STEPS):
+        xi = x.clone().requires_grad_(True)
+        with te.fp8_autocast(fp8_recipe=rec):
+            out = module(xi)
+        y = out[0] if isinstance(out, tuple) else out
+        y.backward(dy)
+        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        mains = {n: p.main_grad.clone() for n, p in module.named_parameters() if hasattr(p, "main_grad")}
+        state = {k: v.clone() for k, v in module.fp8_state.state_dict().items()}
+        seen.append(dict(y=y.detach().clone(), dx=xi.grad.clone(), grads=grads, mains=mains, state=state))
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.sub_(0.05 * p.grad.to(p.dtype))
+                p.grad = None
+    monkeypatch.undo()
+    return seen, len(calls)
+
+
+def _assert_same(fused, unfused):
+    for step, (a, b) in enumerate(zip(fused, unfused)):
+        for key in ("y", "dx"):
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=lambda m: f"step {step} {key}: {m}")
+        for group in ("grads", "mains", "state"):
+            assert a[group].keys() == b[group].keys()
+            for name in a[group]:
+                if name in ("fc1_bias",):  # another fp32 summation order (module doc)
+                    torch.testing.assert_close(a[group][name], b[group][name], msg=lambda m: f"step {step} {name}: {m}")
+                else:
+                    torch.testing.assert_close(a[group][name], b[group][name], rtol=0, atol=0,
+                                               msg=lambda m: f"step {step} {group} {name}: {m}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu", "srelu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_equals_unfused(activation, bias, dtype, device, monkeypatch):
+    mlp = te.LayerNormMLP(64, 96, bias=bias, activation=activation, params_dtype=dtype, device=device)
+    x = torch.randn(16, 3, 64, device=device, dtype=dtype)  # 48 tokens (FP8 GEMMs need multiples of 16)
+    dy = torch.randn(16, 3, 64, device=device, dtype=dtype)
+    twin = copy.deepcopy(mlp)
+    fused, n_fused = _steps(mlp, x, dy, recipe.DelayedScaling(), True, monkeypatch)
+    unfused, n_unfused = _steps(twin, x, dy, recipe.DelayedScaling(), False, monkeypatch)
+    assert (n_fused, n_unfused) == (STEPS, 0)
+    _assert_same(fused, unfused)
+
+
+def test_fused_return_bias_and_wgrad_accumulation(device, monkeypatch):
+    mlp = te.LayerNormMLP(64, 128, return_bias=True, fuse_wgrad_accumulation=True, device=device)
+    twin = copy.deepcopy(mlp)
+    for module in (mlp, twin):
+        for name in ("fc1_weight", "fc2_weight"):
+            p = getattr(module, name)
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    x, dy = torch.randn(16, 2, 64, device=device), torch.randn(16, 2, 64, device=device)
+    fused, n = _steps(mlp, x, dy, recipe.DelayedScaling(), True, monkeypatch)
+    unfused, _ = _steps(twin, x, dy, recipe.DelayedScaling(), False, monkeypatch)
+    assert n == STEPS and fused[0]["mains"]["fc1_weight"].abs().sum() > 0
+    _assert_same(fused, unfused)
+
+
+def test_frozen_fc1_and_input(device, monkeypatch):
+    """Only fc2 trains: the fused backward skips fc1's GEMMs and casts entirely."""
+    mlp = te.LayerNormMLP(64, 96, device=device)
+    for name in ("fc1_weight", "fc1_bias", "layer_norm_weight", "layer_norm_bias"):
+        getattr(mlp, name).requires_grad_(False)
+    x = torch.randn(16, 64, device=device)
+    with te.fp8_autocast():
+        y = mlp(x)
+    y.sum().backward()
+    assert mlp.fc2_weight.grad is not None and mlp.fc1_weight.grad is None
+
+
+@pytest.mark.parametrize("rec", [recipe.Float8CurrentScaling(), recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID)],
+                         ids=["current", "hybrid"])
+def test_which_recipes_fuse(rec, device, monkeypatch):
+    """Current scaling needs the amax before the cast, so it keeps the two-pass path; delayed recipes fuse."""
+    mlp = te.LayerNormMLP(64, 96, device=device)
+    x = torch.randn(16, 64, device=device)
+    dy = torch.randn(16, 64, device=device)
+    _, n = _steps(mlp, x, dy, rec, True, monkeypatch)
+    assert n == (STEPS if rec.delayed() else 0)
