@@ -110,3 +110,20 @@ def test_which_recipes_fuse(rec, device, monkeypatch):
     dy = torch.randn(16, 64, device=device)
     _, n = _steps(mlp, x, dy, rec, True, monkeypatch)
     assert n == (STEPS if rec.delayed() else 0)
+
+
+def test_backward_twice_with_retain_graph(device):
+    """Saved operands are freed early only when the graph is not kept: retain_graph=True still allows a
+    second backward (its gradient cast uses the scales the first backward updated: close, not equal)."""
+    mlp = te.LayerNormMLP(64, 96, device=device)
+    x = torch.randn(16, 2, 64, device=device, requires_grad=True)
+    dy = torch.randn(16, 2, 64, device=device)
+    with te.fp8_autocast():
+        y = mlp(x)
+    y.backward(dy, retain_graph=True)
+    first = [t.grad.clone() for t in (x, mlp.fc1_weight, mlp.fc2_weight)]
+    for t in (x, mlp.fc1_weight, mlp.fc2_weight):
+        t.grad = None
+    y.backward(dy)
+    for a, b in zip(first, (x.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad)):
+        torch.testing.assert_close(b, a, rtol=0.15, atol=0.15 * a.abs().max().item())

@@ -243,8 +243,17 @@ class LinearFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1] or bool(s.targets)
         dx2d, dw, dbias = linear_bwd(s, dy2d, ctx.needs_input_grad[0], need_dw,
                                           s.has_bias and ctx.needs_input_grad[2])
+        if not keep_graph():
+            ctx.s = None  # x and W as saved: free them now, not when the whole graph is released
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
         return dx, dw, dbias, None
+
+
+def keep_graph() -> bool:
+    """True while the running backward keeps the graph (retain_graph=True): saved operands must outlive it.
+    (True where torch cannot tell, so nothing is freed early.)"""
+    fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if fn is None else bool(fn())
 
 
 def _backward(s, dy, need_dx: bool, need_dw: bool):

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from te_parallel.ops.fp8_gemm_config import GemmFP8
-from te_parallel.ops.linear import LinearParallel, linear_bwd, linear_fwd
+from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linear_fwd
 
 
 def can_fuse(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8], fc1_par: LinearParallel) -> bool:
@@ -55,17 +55,27 @@ class FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Saved tensors are dropped as soon as they are used (unless the graph is kept): fc2's operands
+        # after its backward, h and fc2's dgrad output after the activation's backward.
+        free = not keep_graph()
         s1, s2 = ctx.s1, ctx.s2
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_w1 = need_w1 or bool(s1.targets)
         need_fc1 = need_x or need_w1 or need_b1
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(s2.act_dtype)
         da, dw2, db2 = linear_bwd(s2, dy, need_fc1, need_w2 or bool(s2.targets), s2.has_bias and need_b2)
+        del dy, s2
+        if free:
+            ctx.s2 = None
         dx = dw1 = db1 = None
         if need_fc1:
             g8, db1 = ctx.fp8_1.cast_dactivation(ctx.name, da, ctx.h, transpose=need_w1,
                                                  need_dbias=s1.has_bias and need_b1)
+            del da
+            if free:
+                ctx.h = None
             dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g8, dbias=db1)
-        ctx.h = None
+        if free:
+            ctx.s1 = ctx.h = None
         dx = None if dx is None else dx.reshape(ctx.x_shape)
         return dx, dw1, db1, dw2, db2, None
