@@ -7,8 +7,9 @@ Same run, same GPU, bf16 parameters, dropout 0.1 (the seed's settings), causal a
 Each step starts from cleared gradients (optimizer.zero_grad(set_to_none=True)), so no .grad
 accumulation is timed. Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd from cleared
 gradients, minus the memory held before it (so it counts activations, FP8 copies and the new gradients).
-`--ablate` adds FP8 rows with one optimisation switched off each (same run): the MLP activation's own FP8
-casts (te_parallel/ops/mlp.py) and the forward GEMMs' fast accumulation (ops/gemm.FPROP_FAST_ACCUM).
+`--ablate` adds FP8 rows with one choice changed each (same run): the MLP activation's own FP8 casts
+switched off (te_parallel/ops/mlp.py), the forward GEMMs' accumulation flipped (ops/gemm.FPROP_FAST_ACCUM),
+then the unchanged FP8 row again, which shows how much a row moves by its position in the run alone.
 """
 from __future__ import annotations
 
@@ -62,12 +63,13 @@ def measure(name, step, rows, base=None):
 
 @contextlib.contextmanager
 def switched_off(what: str):
-    """One optimisation off for an ablation row: "fused activation" or "fast fprop accumulation"."""
+    """One optimisation changed for an ablation row: "fused activation" off, or "fprop accumulation" flipped
+    (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM)."""
     from te_parallel.module import layernorm_mlp
     from te_parallel.ops import gemm
 
     owner, name, value = ((layernorm_mlp, "can_fuse", lambda *args: False) if what == "fused activation"
-                          else (gemm, "FPROP_FAST_ACCUM", False))
+                          else (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM))
     saved = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -93,9 +95,12 @@ def main() -> None:
     measure("te bf16", training_step(layer, x, dy), rows, base)
     measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
     measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
-    for what in ("fused activation", "fast fprop accumulation") if a.ablate else ():
+    for what in ("fused activation", "fprop accumulation") if a.ablate else ():
         with switched_off(what):
-            measure(f"te FP8 delayed, no {what}", training_step(layer, x, dy, fp8), rows, base)
+            label = "fused activation off" if what == "fused activation" else "fprop fast accumulation flipped"
+            measure(f"te FP8 delayed, {label}", training_step(layer, x, dy, fp8), rows, base)
+    if a.ablate:  # the unchanged row again: how far later rows drift by their position alone
+        measure("te FP8 delayed (again, after the ablation rows)", training_step(layer, x, dy, fp8), rows, base)
     graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
 
     graph_clear = training_step(layer, x, dy).clear_grads

@@ -20,30 +20,30 @@ STEPS = 3
 
 
 def _steps(module, x, dy, rec, fuse: bool, monkeypatch):
-    """STEPS training steps (SGD on the weights, so the FP8 weight cache recasts); what each produced."""
-    if not fuse:
-        monkeypatch.setattr(layernorm_mlp, "can_fuse", lambda *args: False)
-    calls = []
-    real = mlp_ops.FusedMLPFunction.forward
-    monkeypatch.setattr(mlp_ops.FusedMLPFunction, "forward",
-                        staticmethod(lambda *a: calls.append(1) or real(*a)))
-    seen = []
-    for _ in range(STEPS):
-        xi = x.clone().requires_grad_(True)
-        with te.fp8_autocast(fp8_recipe=rec):
-            out = module(xi)
-        y = out[0] if isinstance(out, tuple) else out
-        y.backward(dy)
-        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-        mains = {n: p.main_grad.clone() for n, p in module.named_parameters() if hasattr(p, "main_grad")}
-        state = {k: v.clone() for k, v in module.fp8_state.state_dict().items()}
-        seen.append(dict(y=y.detach().clone(), dx=xi.grad.clone(), grads=grads, mains=mains, state=state))
-        with torch.no_grad():
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.sub_(0.05 * p.grad.to(p.dtype))
-                p.grad = None
-    monkeypatch.undo()
+    """STEPS training steps (SGD on the weights, so the FP8 weight cache recasts); what each produced.
+    (The patches live in a nested context: the conftest's own patches stay in place.)"""
+    with monkeypatch.context() as mp:
+        if not fuse:
+            mp.setattr(layernorm_mlp, "can_fuse", lambda *args: False)
+        calls = []
+        real = mlp_ops.FusedMLPFunction.forward
+        mp.setattr(mlp_ops.FusedMLPFunction, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+        seen = []
+        for _ in range(STEPS):
+            xi = x.clone().requires_grad_(True)
+            with te.fp8_autocast(fp8_recipe=rec):
+                out = module(xi)
+            y = out[0] if isinstance(out, tuple) else out
+            y.backward(dy)
+            grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+            mains = {n: p.main_grad.clone() for n, p in module.named_parameters() if hasattr(p, "main_grad")}
+            state = {k: v.clone() for k, v in module.fp8_state.state_dict().items()}
+            seen.append(dict(y=y.detach().clone(), dx=xi.grad.clone(), grads=grads, mains=mains, state=state))
+            with torch.no_grad():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.05 * p.grad.to(p.dtype))
+                    p.grad = None
     return seen, len(calls)
 
 

@@ -98,10 +98,11 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     return out.to(out_dtype)
 
 
-# TE's choice, kept: the forward GEMM uses fast accumulation; dgrad and wgrad promote the partial sums
-# to fp32 (wgrad sums over every token, where reduced-precision accumulation would cost the most).
-# The speed difference is in docs/benchmarks.md; the CPU path is exact fp32 either way.
-FPROP_FAST_ACCUM = True
+# TE runs the forward GEMM with fast accumulation (no periodic promotion of partial sums to fp32) and
+# dgrad / wgrad without. On an H200 (torch 2.11, cuBLASLt) fast accumulation did not make the seed
+# layer's forward GEMMs faster (sum of the four: 2.49 vs 2.50 ms; docs/benchmarks.md), so every GEMM
+# here keeps the more exact accumulation. True switches the forward GEMMs to TE's choice.
+FPROP_FAST_ACCUM = False
 
 
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
