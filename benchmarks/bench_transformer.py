@@ -6,7 +6,9 @@
 Same run, same GPU, bf16 parameters, dropout 0.1 (the seed's settings), causal attention.
 Each step starts from cleared gradients (optimizer.zero_grad(set_to_none=True)), so no .grad
 accumulation is timed. Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd from cleared
-gradients, minus the memory held before it (so it counts activations, FP8 copies and the new gradients).
+gradients and no FP8 weight copies, minus the memory held before it: it counts activations, every FP8
+copy the step makes (weights included) and the new gradients. held_GiB: what the step leaves allocated
+besides its gradients (the FP8 weight copies kept for the next forward).
 `--ablate` adds FP8 rows with one choice changed each (same run): the MLP activation's own FP8 casts
 switched off (te_parallel/ops/mlp.py), the forward GEMMs' accumulation flipped (ops/gemm.FPROP_FAST_ACCUM),
 then the unchanged FP8 row again, which shows how much a row moves by its position in the run alone.
@@ -49,14 +51,17 @@ class TorchLayer(torch.nn.Module):
 def measure(name, step, rows, base=None):
     ms, synced = time_cuda_stream(step, warmup=5, iters=10), time_cuda(step, warmup=2, iters=20)
     step.clear_grads()  # the step starts from zero_grad(set_to_none=True): its gradients count in its peak
+    getattr(step, "drop_fp8_weights", lambda: None)()  # ... and without FP8 weight copies: they count too
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in step.params if p.grad is not None)
+    held = (torch.cuda.memory_allocated() - before - grads) / 2**30  # kept between steps besides the gradients
     base_ms, base_synced = base or (ms, synced)
-    rows.append({"case": name, "ms": ms, "peak_GiB": peak, "speedup_vs_torch": base_ms / ms, "ms_synced": synced,
+    rows.append({"case": name, "ms": ms, "peak_GiB": peak, "held_GiB": held, "speedup_vs_torch": base_ms / ms, "ms_synced": synced,
                  "synced_speedup": base_synced / synced})
     return ms, synced
 
@@ -109,10 +114,11 @@ def main() -> None:
         graph_clear()
         graphed(x).backward(dy)
     graph_step.clear_grads = graph_clear
+    graph_step.params = list(layer.parameters())
     measure("te FP8 delayed, CUDA graph", graph_step, rows, base)
     shape = f"h{a.hidden} ffn{a.ffn} heads{a.heads} s{a.seq} b{a.batch}"
     report(f"TransformerLayer fwd+bwd ({shape}, bf16 params; ms per step back to back, ms_synced from an idle GPU)",
-           rows, ["case", "ms", "peak_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"], a.json)
+           rows, ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"], a.json)
 
 
 if __name__ == "__main__":

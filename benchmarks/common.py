@@ -46,7 +46,8 @@ def time_cuda_stream(fn: Callable[[], None], warmup: int = 5, iters: int = 20, r
 def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None) -> Callable[[], None]:
     """One fwd+bwd of `module` on x as a training loop runs it: gradients cleared first
     (optimizer.zero_grad(set_to_none=True), so no .grad accumulation is timed), FP8 weight casts
-    dropped (the optimizer changes the weights every step). `step.clear_grads()` clears alone."""
+    dropped (the optimizer changes the weights every step). `step.clear_grads()` clears alone,
+`step.drop_fp8_weights()` drops the FP8 weight copies alone."""
     import te_parallel as te
 
     params = list(module.parameters())
@@ -56,17 +57,22 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp
         for p in params:
             p.grad = None
 
+    def drop_fp8_weights():
+        for m in module.modules():
+            if hasattr(m, "drop_fp8_weight_cache"):
+                m.drop_fp8_weight_cache()
+
     def step():
         clear_grads()
         if fp8_recipe is not None:
-            for m in module.modules():
-                if hasattr(m, "drop_fp8_weight_cache"):
-                    m.drop_fp8_weight_cache()
+            drop_fp8_weights()
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
             y = module(x)
         y.backward(dy)
 
     step.clear_grads = clear_grads
+    step.drop_fp8_weights = drop_fp8_weights
+    step.params = params
     return step
 
 

@@ -50,7 +50,7 @@ def test_layernorm_mlp_step_makes_no_late_transpose(late_transposes, device):
     assert sorted(late_transposes) == [(64, 128), (128, 64)]  # fc2's and fc1's Wᵀ only
 
 
-def test_inference_skips_transposes(device):
+def test_inference_skips_transposes(device, late_transposes):
     """Under no_grad neither Wᵀ nor xᵀ is made; a later training step makes Wᵀ when dgrad needs it."""
     lin = te.Linear(64, 48, device=device)
     x = torch.randn(32, 64, device=device)
@@ -62,8 +62,29 @@ def test_inference_skips_transposes(device):
     with te.fp8_autocast():
         y = lin(xg, is_first_microbatch=False)  # reuse the cached weight
     y.sum().backward()
-    assert cached.data_t is not None and torch.equal(cached.data_t.view(torch.uint8),
-                                                     cached.data.t().contiguous().view(torch.uint8))
+    assert late_transposes == [(48, 64)]  # Wᵀ, made for dgrad
+    assert cached.data_t is None  # ... and not kept in the cache: it lived as long as that backward
+
+
+def test_backward_transpose_of_the_weight_is_exact(device, monkeypatch):
+    """The Wᵀ that dgrad multiplies by holds the bytes of the cached W, transposed."""
+    lin = te.Linear(64, 48, device=device)
+    cached, made = [], []
+    original = Float8Tensor.with_transpose
+
+    def spy(self):
+        out = original(self)
+        cached.append(self)
+        made.append(out)
+        return out
+
+    monkeypatch.setattr(Float8Tensor, "with_transpose", spy)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+    with te.fp8_autocast():
+        y = lin(x)
+    y.sum().backward()
+    assert len(made) == 1 and made[0].data_t is not None and cached[0].data_t is None
+    assert torch.equal(made[0].data_t.view(torch.uint8), cached[0].data.t().contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()], ids=["delayed", "current"])

@@ -43,5 +43,14 @@ class Float8Tensor:
                 self.data_t = d.t().contiguous()
         return self.data_t
 
+    def with_transpose(self) -> "Float8Tensor":
+        """The same bytes with the transposed copy alongside, made now if missing, without storing it on
+        self (a cached weight stays [N, K] only: its Wᵀ lives as long as the backward that made it)."""
+        if self.data_t is not None:
+            return self
+        other = Float8Tensor(self.data, self.scale_inv)
+        other.transposed()
+        return other
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.to(torch.float32) * self.scale_inv).to(dtype)

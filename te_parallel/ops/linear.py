@@ -213,6 +213,10 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
         dbias = dy2d.sum(0) if need_dbias else None
     if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
         all_reduce(dbias, par.group)
+    if need_dx and isinstance(s.w_saved, Float8Tensor):
+        # Wᵀ for dgrad, made once per backward and dropped with it: kept in the weight cache it would
+        # stay allocated until the next forward recasts W (docs/design-notes.md, "Transposes")
+        s.w_saved = s.w_saved.with_transpose()
     # (the column path re-gathers the saved local shard: only when forward kept the shard)
     if par.overlap_dgrad and (par.mode == "row" or s.regather):
         dx2d, dy, dw = _overlapped_backward(s, dy, need_dx, need_dw)
