@@ -87,6 +87,7 @@ class CommOverlap:
         self.tp_size, self.rank = group_size(tp_group), group_rank(tp_group)
         self.cfgs, self.transport = cfgs, transport
         self.counts = {"all_gather": 0, "reduce_scatter": 0}  # ops issued (tests and benchmarks check the path)
+        self._cuda = torch.cuda.is_available()  # (asked once: it reads the environment every call)
 
     @property
     def transport_name(self) -> str:
@@ -108,7 +109,7 @@ class CommOverlap:
     def _check_not_capturing(self, what: str) -> None:
         # The flags are compared with per-op generation numbers fixed at issue time: a replayed graph
         # would reuse stale numbers, see every wait already satisfied and race. Refuse instead.
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if self._cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"comm-GEMM overlap ({what}) cannot be captured in a CUDA graph; build the graphed "
                                f"layers without ub_comm / ub_tp_comm_overlap")
 

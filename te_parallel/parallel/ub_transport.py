@@ -42,6 +42,12 @@ def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> t
     return acc.to(out_dtype)
 
 
+def _current(device: torch.device) -> int:
+    """The current cudaStream_t of `device` as an int (torch's C binding: the Python wrapper builds a
+    Stream object per call, and an overlapped layer step asks ~40 times)."""
+    return _native.launch_on(device)[1]
+
+
 def _event(stream, timing: bool) -> torch.cuda.Event:
     ev = torch.cuda.Event(enable_timing=timing)
     ev.record(stream)
@@ -88,6 +94,7 @@ class IpcTransport:
             self.comm = _native.load().Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
             self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
             self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
+        self.raw = {ch: st.cuda_stream for ch, st in self.streams.items()}  # the side streams' handles
         self.gen = {AG: 0, RS: 0}
         self.timing = False  # True: record timed events around every pull (benchmarks' overlap proof)
 
@@ -108,10 +115,10 @@ class IpcTransport:
     def _peers(self):
         return [(self.rank + k) % self.tp for k in range(1, self.tp)]
 
-    def _wait_consumers(self, ch: int, gen: int, stream) -> None:
+    def _wait_consumers(self, ch: int, gen: int, stream: int) -> None:
         if gen > 1:
             for p in self._peers():
-                self.comm.wait(self._done(ch, p), gen - 1, stream.cuda_stream)
+                self.comm.wait(self._done(ch, p), gen - 1, stream)
 
     def mark(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
@@ -148,7 +155,7 @@ class IpcAllGather:
             s.wait_stream(cur)  # x_local is ready
         else:
             s.wait_event(after)
-        comm, sp = t.comm, s.cuda_stream
+        comm, sp = t.comm, t.raw[AG]
         self.events: Dict[int, torch.cuda.Event] = {}
         self.push_started: Dict[int, torch.cuda.Event] = {}
         for k in range(1, t.tp):  # rank me-k multiplies my chunk at its step k: push to it k-th
@@ -171,8 +178,7 @@ class IpcAllGather:
         """src's rows, on the caller's stream (which waits for src's push)."""
         if src == self.t.rank:
             return self.x_local
-        cur = torch.cuda.current_stream(self.t.device)
-        self.t.comm.wait(self.t._ready(AG, src), self.gen, cur.cuda_stream)
+        self.t.comm.wait(self.t._ready(AG, src), self.gen, _current(self.t.device))
         return self._slot(src)
 
     def release(self, src: int) -> None:
@@ -180,10 +186,9 @@ class IpcAllGather:
         if src == self.t.rank or src in self.released:
             return
         self.released.add(src)
-        cur = torch.cuda.current_stream(self.t.device)
         if self.full is not None:
             self.full[src * self.m : (src + 1) * self.m].copy_(self._slot(src))
-        self.t.comm.signal(src, self.t._done(AG, self.t.rank), self.gen, cur.cuda_stream)
+        self.t.comm.signal(src, self.t._done(AG, self.t.rank), self.gen, _current(self.t.device))
 
     def wait(self) -> torch.Tensor:
         """The whole gathered tensor (`out` given at the start), on the caller's stream."""
@@ -205,7 +210,7 @@ class IpcReduceScatter:
         self.nbytes, self.stride = nbytes, -(-nbytes // 256) * 256  # slot d at d·stride (same on every rank)
         t.gen[RS] += 1
         self.gen = t.gen[RS]
-        t._wait_consumers(RS, self.gen, torch.cuda.current_stream(t.device))  # GEMMs write the send slots next
+        t._wait_consumers(RS, self.gen, _current(t.device))  # GEMMs write the send slots next
         self.partials = self.t._own_view(RS, t.tp * t.chunk_bytes)
         self.received, self.parts, self.pulls = None, {t.rank: self._own_slot(t.rank)}, []
 
@@ -224,8 +229,7 @@ class IpcReduceScatter:
 
     def ready(self, d: int) -> None:
         if d != self.t.rank:
-            self.t.comm.signal(d, self.t._ready(RS, self.t.rank), self.gen,
-                               torch.cuda.current_stream(self.t.device).cuda_stream)
+            self.t.comm.signal(d, self.t._ready(RS, self.t.rank), self.gen, _current(self.t.device))
 
     def pull_step(self, k: int) -> None:
         """Issue, on the RS stream, the pull of the partial that rank me-k computed for this rank at its
@@ -237,7 +241,7 @@ class IpcReduceScatter:
         if self.received is None:
             with torch.cuda.stream(s):  # memory owned by the copy stream (it writes first)
                 self.received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
-        src, sp = (t.rank - k) % t.tp, s.cuda_stream
+        src, sp = (t.rank - k) % t.tp, t.raw[RS]
         if src in self.parts:
             return
         comm.wait(t._ready(RS, src), self.gen, sp)
