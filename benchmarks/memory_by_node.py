@@ -1,0 +1,64 @@
+"""Where the seed layer's FP8 step reaches its peak memory: allocated and peak at each backward node.
+
+    python benchmarks/memory_by_node.py
+
+Seed TransformerLayer (h 4096, ffn 16384, 32 heads, s 2048 × b 4, bf16 params), FP8 DelayedScaling,
+with the MLP's fused activation (ops/mlp.py) and without it. Each step starts with cleared gradients
+and no FP8 weight copies; the memory before it is the zero. Printed for the third step: memory
+after the forward (and the forward's peak), then per autograd node in execution order the memory
+allocated after it and the peak since the previous node (MiB).
+"""
+import torch
+import te_parallel as te
+from te_parallel import recipe
+from te_parallel.module import layernorm_mlp
+
+def run(fuse):
+    saved = layernorm_mlp.can_fuse
+    if not fuse:
+        layernorm_mlp.can_fuse = lambda *a: False
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(4096, 16384, 32, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(2048, 4, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    rec = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    for it in range(3):
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+        layer.drop_fp8_weight_cache() if hasattr(layer, "drop_fp8_weight_cache") else None
+        for m in layer.modules():
+            if hasattr(m, "drop_fp8_weight_cache"):
+                m.drop_fp8_weight_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with te.fp8_autocast(fp8_recipe=rec):
+            y = layer(x)
+        torch.cuda.synchronize()
+        fwd_alloc, fwd_peak = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
+        log = []
+        seen = set()
+        stack = [y.grad_fn]
+        while stack:
+            n = stack.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            def hook(gi, go, name=type(n).__name__):
+                log.append((name, (torch.cuda.memory_allocated() - base) / 2**20, (torch.cuda.max_memory_allocated() - base) / 2**20))
+                torch.cuda.reset_peak_memory_stats()
+            n.register_hook(hook)
+            stack.extend(f for f, _ in n.next_functions)
+        y.backward(dy)
+        torch.cuda.synchronize()
+        if it == 2:
+            print(f"fuse={fuse}: after forward {fwd_alloc/2**20:.0f} MiB (forward peak {fwd_peak/2**20:.0f}); backward nodes (allocated after, peak during since previous):")
+            for name, a, pk in log:
+                if name != "AccumulateGrad":
+                    print(f"   {name:<40} {a:8.0f} {pk:8.0f}")
+        del y
+    layernorm_mlp.can_fuse = saved
+
+run(True)
+run(False)
