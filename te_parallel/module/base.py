@@ -132,7 +132,8 @@ class FP8Module(nn.Module):
                 return hit[1]
         # Wᵀ (for dgrad) is made in backward by the one-pass FP8 transpose, not here: emitted by this
         # cast it sits in memory through the whole forward, 1.501 instead of 1.376 GiB of the seed
-        # layer's peak on an H200 (+9%), to save ~0.13 ms of transposes (docs/benchmarks.md).
+        # layer's peak on an H200 (+9%), to save ~0.13 ms of transposes (docs/benchmarks.md). Nor is
+        # it kept here after that backward (ops/linear.linear_bwd).
         with torch.no_grad():
             w_q = cfg.quantize_weight(weight.detach(), amax_group)
         self._weight_cache[cfg.gemm] = (key, w_q)

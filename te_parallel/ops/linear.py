@@ -140,7 +140,7 @@ class LinearSaved:
 
 
 def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor], plan,
-                   act_dtype: torch.dtype, x_q: Optional[Float8Tensor] = None):
+               act_dtype: torch.dtype, x_q: Optional[Float8Tensor] = None):
     """y2d = x2d·Wᵀ + b on this rank (the collectives of `par` included); returns (y2d, LinearSaved).
 
     plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode). x_q: the input already cast to
@@ -192,7 +192,7 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
 
 
 def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need_dw: bool, need_dbias: bool,
-                    dy_q: Optional[Float8Tensor] = None, dbias: Optional[torch.Tensor] = None):
+               dy_q: Optional[Float8Tensor] = None, dbias: Optional[torch.Tensor] = None):
     """(dx2d, dw, dbias) of one linear_fwd (None where not needed; dw None when accumulated into
     main_grad). dy2d [M or M/tp, N] in the activation dtype; or dy_q, the output gradient already cast
     with this GEMM's gradient scale (with its transpose when wgrad is needed) together with its dbias
@@ -215,7 +215,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
         all_reduce(dbias, par.group)
     if need_dx and isinstance(s.w_saved, Float8Tensor):
         # Wᵀ for dgrad, made once per backward and dropped with it: kept in the weight cache it would
-        # stay allocated until the next forward recasts W (docs/design-notes.md, "Transposes")
+        # stay allocated until the next forward recasts W (docs/design-notes.md, "Which cast makes which transpose")
         s.w_saved = s.w_saved.with_transpose()
     # (the column path re-gathers the saved local shard: only when forward kept the shard)
     if par.overlap_dgrad and (par.mode == "row" or s.regather):
