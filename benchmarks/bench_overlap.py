@@ -25,17 +25,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda  # noqa: E402
+from common import init_torchrun_nccl, max_over_ranks, report, time_cuda  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 from te_parallel.fp8.tensor import Float8Tensor  # noqa: E402
 from te_parallel.ops import linear_overlap as ov  # noqa: E402
 from te_parallel.parallel.collectives import all_gather_dim0, reduce_scatter_dim0  # noqa: E402
-
-
-def _max_over_ranks(ms: float) -> float:
-    t = torch.tensor([ms], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _timed(fn, iters=30) -> float:
@@ -46,13 +40,13 @@ def _timed(fn, iters=30) -> float:
     def loop():
         for _ in range(iters):
             fn()
-    return _max_over_ranks(time_cuda(loop, warmup=1, iters=5) / iters)
+    return max_over_ranks(time_cuda(loop, warmup=1, iters=5) / iters)
 
 
 def _synced(fn) -> float:
     """Milliseconds of one call with the GPU idle before it (host issue latency included)."""
     dist.barrier()
-    return _max_over_ranks(time_cuda(fn, warmup=5, iters=20))
+    return max_over_ranks(time_cuda(fn, warmup=5, iters=20))
 
 
 def _host_us(fn, iters=20) -> float:
@@ -65,7 +59,7 @@ def _host_us(fn, iters=20) -> float:
         fn()
     host = (time.perf_counter() - t) / iters * 1e6
     torch.cuda.synchronize()
-    return _max_over_ranks(host)
+    return max_over_ranks(host)
 
 
 def _fp8(t: torch.Tensor) -> Float8Tensor:
@@ -185,23 +179,29 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
     return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
 
 
-def layer_rows(ub, group, rank, tp, batch):
+def seed_layer_step(group, tp: int, batch: int, extra: dict):
+    """(layer, step): the seed TransformerLayer at TP=tp + SP (`extra`: its overlap arguments) and one
+    FP8 fwd+bwd of it on s 2048 × b `batch` tokens (gradients accumulate across steps)."""
     torch.manual_seed(0)
-    kw = dict(hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32, hidden_dropout=0.0,
-              attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
-              params_dtype=torch.bfloat16, device="cuda")
-    rows = []
+    layer = te.TransformerLayer(hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32, hidden_dropout=0.0,
+                                attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
+                                params_dtype=torch.bfloat16, device="cuda", **extra)
     x = torch.randn(2048 // tp, batch, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    for name, extra in [("no overlap (NCCL)", {}), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub))]:
-        layer = te.TransformerLayer(**kw, **extra)
 
-        def step():
-            # min_fp8_gemm=0: every GEMM in FP8 in both rows (the overlap path never switches to bf16;
-            # without it the projection, 6.9e10 per rank at b=4, would run in bf16 in the NCCL row)
-            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm=0)):
-                y = layer(x)
-            y.backward(dy)
+    def step():
+        # min_fp8_gemm=0: every GEMM in FP8 with and without overlap (the overlap path never switches to
+        # bf16; without it the projection, 6.9e10 per rank at b=4, would run in bf16 in the NCCL row)
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm=0)):
+            y = layer(x)
+        y.backward(dy)
+    return layer, step
+
+
+def layer_rows(ub, group, rank, tp, batch):
+    rows = []
+    for name, extra in [("no overlap (NCCL)", {}), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub))]:
+        _, step = seed_layer_step(group, tp, batch, extra)
         ms = _timed(step, iters=10)
         rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
                      "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3})
@@ -218,11 +218,7 @@ def main() -> None:
     ap.add_argument("--layer-batch", type=int, nargs="+", default=[4], help="micro-batches of the layer rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    group = dist.new_group(list(range(tp)))
+    rank, tp, group = init_torchrun_nccl()
     tokens = max(tp * args.m, 2048 * max(args.layer_batch))
     ub = te.initialize_ub([tokens, max(args.k, args.n)], group, use_fp8=True, dtype=torch.bfloat16)
     rows, timelines = [], []

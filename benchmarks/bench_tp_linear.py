@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda  # noqa: E402
+from common import init_torchrun_nccl, report, time_cuda  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 from te_parallel.parallel.collectives import all_gather_dim0  # noqa: E402
 
@@ -30,11 +30,7 @@ def main() -> None:
     ap.add_argument("--out", type=int, default=12288)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    group = dist.new_group(list(range(world)))
+    rank, world, group = init_torchrun_nccl()
     dt, dev = torch.bfloat16, "cuda"
     batch = 2
     x = torch.randn(args.tokens // world // batch, batch, args.hidden, device=dev, dtype=dt, requires_grad=True)

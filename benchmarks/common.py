@@ -76,6 +76,27 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp
     return step
 
 
+def init_torchrun_nccl():
+    """(rank, world size, group of all ranks) of a torchrun job on NCCL, each rank on its own GPU
+    (NVLink multicast off unless the environment says otherwise)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    return rank, world, dist.new_group(list(range(world)))
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's `value` (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def environment() -> Dict[str, str]:
     commit = os.environ.get("GIT_COMMIT", "")  # set by runs from a copy of the tree whose .git may be stale
     if not commit:

@@ -26,7 +26,6 @@ def run(fuse):
         for p in layer.parameters():
             p.grad = None
         x.grad = None
-        layer.drop_fp8_weight_cache() if hasattr(layer, "drop_fp8_weight_cache") else None
         for m in layer.modules():
             if hasattr(m, "drop_fp8_weight_cache"):
                 m.drop_fp8_weight_cache()
@@ -60,5 +59,6 @@ def run(fuse):
         del y
     layernorm_mlp.can_fuse = saved
 
-run(True)
-run(False)
+if __name__ == "__main__":
+    run(True)
+    run(False)

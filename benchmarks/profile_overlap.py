@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import te_parallel as te
-from te_parallel import recipe
+import te_parallel as te  # noqa: E402
+from bench_overlap import seed_layer_step  # noqa: E402
+from common import init_torchrun_nccl, max_over_ranks  # noqa: E402
 
 HIDDEN, FFN, HEADS, SEQ = 4096, 16384, 32, 2048
 
@@ -62,33 +63,11 @@ class _GcTimer:
         gc.callbacks.remove(self)
 
 
-def _max_over_ranks(v: float) -> float:
-    t = torch.tensor([v], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _quiet() -> None:
     """GPU idle and both ranks lined up before a measured region."""
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
-
-
-def build_step(group, tp: int, batch: int, extra: dict):
-    """The layer and step of bench_overlap.layer_rows (gradients accumulate across steps, as there)."""
-    torch.manual_seed(0)
-    layer = te.TransformerLayer(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-                                hidden_dropout=0.0, attention_dropout=0.0, tp_group=group, sequence_parallel=True,
-                                set_parallel_mode=True, params_dtype=torch.bfloat16, device="cuda", **extra)
-    x = torch.randn(SEQ // tp, batch, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-
-    def step():
-        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm=0)):
-            y = layer(x)
-        y.backward(dy)
-    return layer, step
 
 
 def timing(step, steps: int) -> dict:
@@ -114,9 +93,9 @@ def timing(step, steps: int) -> dict:
         gc_ms.append(g.seconds / steps * 1e3)
         gc_n.append(g.collections / steps)
     med = statistics.median
-    return {"host_ms": _max_over_ranks(med(host)), "gpu_ms": _max_over_ranks(med(gpu)),
-            "first_step_host_ms": _max_over_ranks(med(first)), "worst_step_host_ms": _max_over_ranks(med(worst)),
-            "gc_ms_per_step": _max_over_ranks(med(gc_ms)), "gc_per_step": _max_over_ranks(med(gc_n))}
+    return {"host_ms": max_over_ranks(med(host)), "gpu_ms": max_over_ranks(med(gpu)),
+            "first_step_host_ms": max_over_ranks(med(first)), "worst_step_host_ms": max_over_ranks(med(worst)),
+            "gc_ms_per_step": max_over_ranks(med(gc_ms)), "gc_per_step": max_over_ranks(med(gc_n))}
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -144,7 +123,7 @@ def blocking_probe(step, rank: int, sleep_ms: float, cycles_per_ms: float):
         prof.disable()
     host = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
-    return _max_over_ranks(host), prof
+    return max_over_ranks(host), prof
 
 
 def host_profile(step, rank: int, steps: int):
@@ -219,11 +198,7 @@ def main() -> None:
     ap.add_argument("--sleep-ms", type=float, default=300.0, help="GPU sleep ahead of the blocking probe")
     ap.add_argument("--out", default=None, help="folder for profile_overlap.txt and profile_overlap_ub.prof")
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    group = dist.new_group(list(range(tp)))
+    rank, tp, group = init_torchrun_nccl()
     # as bench_overlap.main with its defaults (--m 4096 --k 4096 --n 6144) and --layer-batch <batch>
     ub = te.initialize_ub([max(tp * 4096, SEQ * args.batch), 6144], group, use_fp8=True, dtype=torch.bfloat16)
     full_path = os.path.join(args.out, "profile_overlap.txt") if args.out and rank == 0 else None
@@ -246,7 +221,7 @@ def main() -> None:
          f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}")
     results, profiles = {}, {}
     for name, extra in [("nccl", {}), ("overlap", {"ub_tp_comm_overlap": True, "ub_comm": ub})]:
-        layer, step = build_step(group, tp, args.batch, extra)
+        layer, step = seed_layer_step(group, tp, args.batch, extra)
         for _ in range(args.warmup):
             step()
         torch.cuda.synchronize()
