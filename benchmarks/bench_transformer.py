@@ -11,7 +11,9 @@ copy the step makes (weights included) and the new gradients. held_GiB: what the
 besides its gradients (the FP8 weight copies kept for the next forward).
 `--ablate` adds FP8 rows with one choice changed each (same run): the MLP activation's own FP8 casts
 switched off (te_parallel/ops/mlp.py), the forward GEMMs' accumulation flipped (ops/gemm.FPROP_FAST_ACCUM),
-then the unchanged FP8 row again, which shows how much a row moves by its position in the run alone.
+the fused MLP backward in one piece instead of row chunks (ops/mlp.BWD_CHUNK_BYTES), the FP8 weights
+kept from forward to backward and for the next forward (is_first_microbatch=True, TE's micro-batch
+flag), then the unchanged FP8 row again, which shows how much a row moves by its position in the run alone.
 """
 from __future__ import annotations
 
@@ -68,13 +70,16 @@ def measure(name, step, rows, base=None):
 
 @contextlib.contextmanager
 def switched_off(what: str):
-    """One optimisation changed for an ablation row: "fused activation" off, or "fprop accumulation" flipped
-    (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM)."""
+    """One optimisation changed for an ablation row: "fused activation" off, "fprop accumulation" flipped
+    (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM), or "mlp chunks" off (the MLP backward in one piece)."""
     from te_parallel.module import layernorm_mlp
     from te_parallel.ops import gemm
 
-    owner, name, value = ((layernorm_mlp, "can_fuse", lambda *args: False) if what == "fused activation"
-                          else (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM))
+    from te_parallel.ops import mlp
+
+    owner, name, value = {"fused activation": (layernorm_mlp, "can_fuse", lambda *args: False),
+                          "fprop accumulation": (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM),
+                          "mlp chunks": (mlp, "BWD_CHUNK_BYTES", 1 << 62)}[what]
     saved = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -100,11 +105,15 @@ def main() -> None:
     measure("te bf16", training_step(layer, x, dy), rows, base)
     measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
     measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
-    for what in ("fused activation", "fprop accumulation") if a.ablate else ():
+    labels = {"fused activation": "fused activation off", "fprop accumulation": "fprop fast accumulation flipped",
+              "mlp chunks": "MLP backward in one piece"}
+    for what, label in labels.items() if a.ablate else ():
         with switched_off(what):
-            label = "fused activation off" if what == "fused activation" else "fprop fast accumulation flipped"
             measure(f"te FP8 delayed, {label}", training_step(layer, x, dy, fp8), rows, base)
-    if a.ablate:  # the unchanged row again: how far later rows drift by their position alone
+    if a.ablate:
+        measure("te FP8 delayed, FP8 weights kept (is_first_microbatch=True)",
+                training_step(layer, x, dy, fp8, is_first_microbatch=True), rows, base)
+        # the unchanged row again: how far later rows drift by their position alone
         measure("te FP8 delayed (again, after the ablation rows)", training_step(layer, x, dy, fp8), rows, base)
     graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
 

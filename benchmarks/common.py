@@ -43,11 +43,12 @@ def time_cuda_stream(fn: Callable[[], None], warmup: int = 5, iters: int = 20, r
     return statistics.median(_events_ms(fn, iters) / iters for _ in range(repeats))
 
 
-def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None) -> Callable[[], None]:
-    """One fwd+bwd of `module` on x as a training loop runs it: gradients cleared first
-    (optimizer.zero_grad(set_to_none=True), so no .grad accumulation is timed), FP8 weight casts
+def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None,
+                  **forward_kwargs) -> Callable[[], None]:
+    """One fwd+bwd of `module` on x (and forward_kwargs) as a training loop runs it: gradients cleared
+    first (optimizer.zero_grad(set_to_none=True), so no .grad accumulation is timed), FP8 weight casts
     dropped (the optimizer changes the weights every step). `step.clear_grads()` clears alone,
-`step.drop_fp8_weights()` drops the FP8 weight copies alone."""
+    `step.drop_fp8_weights()` drops the FP8 weight copies alone."""
     import te_parallel as te
 
     params = list(module.parameters())
@@ -67,7 +68,7 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp
         if fp8_recipe is not None:
             drop_fp8_weights()
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-            y = module(x)
+            y = module(x, **forward_kwargs)
         y.backward(dy)
 
     step.clear_grads = clear_grads

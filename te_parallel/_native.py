@@ -175,13 +175,15 @@ CAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                         amax_out: torch.Tensor | None, transpose: bool,
                         scale_inv_out: torch.Tensor | None = None,
-                        dbias_out: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor | None]:
-    """FP8 cast of a contiguous CUDA [rows, cols] matrix in one pass: (data, data_t or None).
+                        dbias_out: torch.Tensor | None = None, *, rowwise: bool = True,
+                        scale_out: torch.Tensor | None = None) -> Tuple[torch.Tensor | None, torch.Tensor | None]:
+    """FP8 cast of a contiguous CUDA [rows, cols] matrix in one pass: (data or None, data_t or None).
 
     Bit-identical to te_parallel.ops.cast.quantize's PyTorch path (fp32 multiply by `scale`,
     saturating round-to-nearest-even); amax_out (a 1-element fp32 CUDA tensor) receives
-    max(amax_out, max |x|) in the same pass; scale_inv_out (likewise) receives 1 / scale;
-    dbias_out (a contiguous [cols] float tensor) receives the column sums of x (fp32, fixed order).
+    max(amax_out, max |x|) in the same pass; scale_inv_out (likewise) receives 1 / scale and
+    scale_out the scale itself (a snapshot); dbias_out (a contiguous [cols] float tensor) receives the
+    column sums of x (fp32, fixed order). rowwise=False: only the transposed copy is written.
     """
     module = load()
     if module is None:
@@ -189,17 +191,21 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     ok = (x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.dtype in CAST_INPUT_DTYPES and x.numel() > 0
           and scale.is_cuda and scale.dtype == torch.float32 and scale.numel() == 1 and fp8_dtype in _DTYPES
           and all(t is None or (t.is_cuda and t.dtype == torch.float32 and t.numel() == 1)
-                  for t in (amax_out, scale_inv_out)))
+                  for t in (amax_out, scale_inv_out, scale_out)) and (rowwise or transpose))
     if not ok:
         raise ValueError(f"cast_transpose_amax: got x {_describe(x)}, scale {_describe(scale)}, amax_out "
-                         f"{_describe(amax_out)}, scale_inv_out {_describe(scale_inv_out)}; need a contiguous "
-                         "non-empty 2-D fp32/fp16/bf16 CUDA x and fp32 CUDA scalars")
+                         f"{_describe(amax_out)}, scale_inv_out {_describe(scale_inv_out)}, scale_out "
+                         f"{_describe(scale_out)}, rowwise={rowwise}, transpose={transpose}; need a contiguous "
+                         "non-empty 2-D fp32/fp16/bf16 CUDA x, fp32 CUDA scalars and at least one output")
     rows, cols = x.shape
     if dbias_out is not None and not (dbias_out.device == x.device and dbias_out.dtype in CAST_INPUT_DTYPES
                                       and dbias_out.shape == (cols,) and dbias_out.is_contiguous()):
         raise ValueError(f"cast_transpose_amax: dbias_out is {_describe(dbias_out)}; need a contiguous "
                          f"[{cols}] fp32/fp16/bf16 tensor on {x.device}")
-    data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+    if dbias_out is not None and (not rowwise or scale_out is not None):
+        raise ValueError(f"cast_transpose_amax: dbias_out goes with the row-wise cast and no scale_out; got "
+                         f"rowwise={rowwise}, scale_out {_describe(scale_out)}")
+    data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device) if rowwise else None
     data_t = torch.empty(cols, rows, dtype=fp8_dtype, device=x.device) if transpose else None
     guard, stream = launch_on(x.device)
     if dbias_out is not None:
@@ -214,10 +220,12 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                                         stream)
         return data, data_t
     with guard:
-        module.cast_transpose_amax(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(), data.data_ptr(),
+        module.cast_transpose_amax(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(),
+                                   0 if data is None else data.data_ptr(),
                                    0 if data_t is None else data_t.data_ptr(),
                                    0 if amax_out is None else amax_out.data_ptr(),
-                                   0 if scale_inv_out is None else scale_inv_out.data_ptr(), _DTYPES[fp8_dtype], stream)
+                                   0 if scale_inv_out is None else scale_inv_out.data_ptr(),
+                                   0 if scale_out is None else scale_out.data_ptr(), _DTYPES[fp8_dtype], stream)
     return data, data_t
 
 

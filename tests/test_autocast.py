@@ -68,13 +68,15 @@ def test_calibrating_records_amax_without_fp8(device):
     assert m.fp8_state.update_count.tolist() == [1, 1]
 
 
-def test_weight_cast_once_per_step(device, monkeypatch):
+def test_weight_cache_policy(device, monkeypatch):
+    """The FP8 weight is kept for a later forward only where one can use it (explicit micro-batches,
+    inference); a plain training step casts it in forward, frees it, and re-encodes Wᵀ in backward."""
     m = te.LayerNormMLP(32, 64, device=device)
     calls = []
     real = cast_mod.quantize
 
     def counting(x, *a, **k):
-        calls.append(tuple(x.shape))
+        calls.append((tuple(x.shape), k.get("rowwise", True)))
         return real(x, *a, **k)
 
     monkeypatch.setattr(cast_mod, "quantize", counting)
@@ -82,20 +84,52 @@ def test_weight_cast_once_per_step(device, monkeypatch):
     x = torch.randn(16, 32, device=device)
     rec = R.DelayedScaling()
     weight_shapes = {tuple(m.fc1_weight.shape), tuple(m.fc2_weight.shape)}
+
+    def weight_casts():
+        fwd = sum(shape in weight_shapes and rowwise for shape, rowwise in calls)
+        bwd = sum(shape in weight_shapes and not rowwise for shape, rowwise in calls)
+        calls.clear()
+        return fwd, bwd
+
+    def optimizer_step():
+        with torch.no_grad():
+            for p in m.parameters():
+                p.sub_(1e-3 * p.grad)
+        m.zero_grad()
+
+    # TE's default (is_first_microbatch=None): every forward casts, backward re-encodes Wᵀ, nothing is kept
     for step in range(2):
         for micro in range(3):
             with te.fp8_autocast(fp8_recipe=rec):
                 m(x).sum().backward()
-        with torch.no_grad():  # optimizer step: parameters change in place
-            for p in m.parameters():
-                p.sub_(1e-3 * p.grad)
-        m.zero_grad()
-    assert sum(s in weight_shapes for s in calls) == 4  # 2 weights x 2 steps, not x 3 micro-batches
-    calls.clear()
-    with te.fp8_autocast(fp8_recipe=rec):
-        m(x, is_first_microbatch=True)  # TE's override: recast
-        m(x, is_first_microbatch=False)  # reuse
-    assert sum(s in weight_shapes for s in calls) == 2
+            assert not m._weight_cache
+        optimizer_step()
+    assert weight_casts() == (2 * 6, 2 * 6)
+    # explicit micro-batches: cast once per step, kept, and backward transposes the kept bytes
+    for step in range(2):
+        for micro in range(3):
+            with te.fp8_autocast(fp8_recipe=rec):
+                m(x, is_first_microbatch=micro == 0).sum().backward()
+        optimizer_step()
+    assert weight_casts() == (2 * 2, 0)
+    # inference: kept while the parameters are unchanged (their version counters)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=rec):
+        m(x)
+        m(x)
+        m.fc1_weight.add_(1e-3)
+        m(x)
+    assert weight_casts() == (2 + 1, 0)
+
+
+def test_weight_changed_before_backward_raises(device):
+    m = te.Linear(32, 16, device=device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    with te.fp8_autocast():
+        y = m(x)
+    with torch.no_grad():
+        m.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match=r"shape \(16, 32\) was modified in place between forward and backward"):
+        y.sum().backward()
 
 
 def test_is_fp8_available():

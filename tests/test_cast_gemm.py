@@ -33,6 +33,21 @@ def test_quantize_bit_exact_with_transpose_and_amax(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", FP8)
+def test_quantize_transposed_only_with_scale_snapshot(dtype, device):
+    """rowwise=False writes only the transposed copy (data is a view of it); keep_scale returns a
+    snapshot of the scale that later in-place updates of the scale do not touch."""
+    x = torch.randn(40, 24, device=device, dtype=torch.bfloat16) * 20
+    scale = torch.tensor(2.5, device=device)
+    full = quantize(x, scale, dtype, transpose=True)
+    q = quantize(x, scale, dtype, transpose=True, rowwise=False, keep_scale=True)
+    assert q.data_t.is_contiguous() and q.data.shape == x.shape and q.data.data_ptr() == q.data_t.data_ptr()
+    assert torch.equal(_bits(q.data_t), _bits(full.data_t)) and torch.equal(_bits(q.data), _bits(full.data))
+    scale.mul_(4.0)
+    assert q.scale.item() == 2.5 and torch.equal(q.scale_inv, full.scale_inv)
+    assert quantize(x, scale, dtype).scale is None  # no snapshot unless asked for
+
+
+@pytest.mark.parametrize("dtype", FP8)
 def test_quantize_nan_propagates_and_inf_saturates(dtype, device):
     x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 1.0]], device=device)
     q = quantize(x, torch.tensor(1.0, device=device), dtype).data.float()
@@ -111,3 +126,6 @@ def test_quantize_rejects_bad_args(device):
         quantize(torch.randn(4, 4, device=device), torch.tensor(1.0, device=device), torch.bfloat16)
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.randn(4, device=device), torch.tensor(1.0, device=device), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="rowwise=False needs transpose=True"):
+        quantize(torch.randn(4, 4, device=device), torch.tensor(1.0, device=device), torch.float8_e4m3fn,
+                 rowwise=False)

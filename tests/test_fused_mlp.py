@@ -127,3 +127,46 @@ def test_backward_twice_with_retain_graph(device):
     y.backward(dy)
     for a, b in zip(first, (x.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad)):
         torch.testing.assert_close(b, a, rtol=0.15, atol=0.15 * a.abs().max().item())
+
+
+@pytest.mark.parametrize("chunk_rows", [16, 32], ids=["even", "ragged"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_backward_in_row_chunks_equals_unfused(chunk_rows, activation, device, monkeypatch):
+    """fc2's dgrad output made and consumed a row chunk at a time (48 tokens: 3 chunks of 16, or 32 + 16)
+    gives the unfused gradients; the chunks really ran."""
+    mlp = te.LayerNormMLP(64, 96, activation=activation, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
+    twin = copy.deepcopy(mlp)
+    chunks = []
+    real = mlp_ops.GemmFP8.cast_dactivation_rows
+    with monkeypatch.context() as mp:
+        mp.setattr(mlp_ops, "BWD_CHUNK_BYTES", chunk_rows * 96 * 2)  # fc2's input is 96 wide, bf16
+        mp.setattr(mlp_ops.GemmFP8, "cast_dactivation_rows",
+                   lambda self, name, da, h, *a: chunks.append(da.shape[0]) or real(self, name, da, h, *a))
+        fused, _ = _steps(mlp, x, dy, recipe.DelayedScaling(), True, monkeypatch)
+    assert chunks == STEPS * ([16, 16, 16] if chunk_rows == 16 else [32, 16])
+    unfused, _ = _steps(twin, x, dy, recipe.DelayedScaling(), False, monkeypatch)
+    _assert_same(fused, unfused)
+
+
+@pytest.mark.parametrize("microbatch", [None, True], ids=["training", "microbatches"])
+def test_fp8_weights_freed_after_forward(microbatch, device, monkeypatch):
+    """In a training step the FP8 weights live only through the forward (backward re-encodes Wᵀ);
+    with TE's micro-batch flag the module keeps them for the next micro-batch."""
+    import weakref
+
+    from te_parallel.ops import fp8_gemm_config
+
+    mlp = te.LayerNormMLP(64, 96, device=device)
+    made = []
+    real = fp8_gemm_config.GemmFP8.quantize_weight
+    monkeypatch.setattr(fp8_gemm_config.GemmFP8, "quantize_weight",
+                        lambda self, w, g=None: (lambda q: made.append(weakref.ref(q.data)) or q)(real(self, w, g)))
+    x = torch.randn(16, 2, 64, device=device, requires_grad=True)
+    with te.fp8_autocast():
+        y = mlp(x, is_first_microbatch=microbatch)
+    alive = [r() is not None for r in made]
+    assert len(made) == 2 and alive == [microbatch is not None] * 2
+    y.sum().backward()
+    assert mlp.fc1_weight.grad is not None and x.grad is not None

@@ -4,8 +4,10 @@ wgrad needs xᵀ and dyᵀ, dgrad needs Wᵀ (cuBLASLt's FP8 "TN" rule). A train
 FP8 Linear must produce xᵀ and dyᵀ in the cast that makes the row-major bytes: a later
 `Float8Tensor.transposed()` that has to build the copy is an extra read and write of the operand
 (torch's strided copies cost 4.1 ms of a 16.9 ms seed-layer step on an H200 before this rule).
-Wᵀ is the one exception, by design: it is made in backward (one-pass native transpose on CUDA) so
-that it does not sit in memory through the forward pass (te_parallel/module/base.py).
+Wᵀ is made in backward, so that it does not sit in memory through the forward pass
+(te_parallel/module/base.py): in a training step by casting the weight again straight into the
+transposed layout (no late transpose), and from a kept FP8 W (explicit micro-batches, a weight cached
+by inference) by the one-pass native transpose.
 """
 import pytest
 import torch
@@ -38,7 +40,7 @@ def test_training_step_makes_no_late_transpose(rec, late_transposes, device):
         y = lin(x)
     y.backward(torch.randn_like(y))
     assert x.grad is not None and lin.weight.grad is not None
-    assert late_transposes == [(48, 64)]  # Wᵀ only, made for dgrad
+    assert late_transposes == []  # Wᵀ too comes from a cast (the weight re-encoded in backward)
 
 
 def test_layernorm_mlp_step_makes_no_late_transpose(late_transposes, device):
@@ -46,6 +48,10 @@ def test_layernorm_mlp_step_makes_no_late_transpose(late_transposes, device):
     x = torch.randn(16, 2, 64, device=device, requires_grad=True)
     with te.fp8_autocast():
         y = mlp(x)
+    y.sum().backward()
+    assert late_transposes == []
+    with te.fp8_autocast():
+        y = mlp(x, is_first_microbatch=True)  # a kept FP8 W: Wᵀ is its transpose
     y.sum().backward()
     assert sorted(late_transposes) == [(64, 128), (128, 64)]  # fc2's and fc1's Wᵀ only
 
@@ -66,25 +72,42 @@ def test_inference_skips_transposes(device, late_transposes):
     assert cached.data_t is None  # ... and not kept in the cache: it lived as long as that backward
 
 
-def test_backward_transpose_of_the_weight_is_exact(device, monkeypatch):
-    """The Wᵀ that dgrad multiplies by holds the bytes of the cached W, transposed."""
+@pytest.mark.parametrize("microbatch", [None, True], ids=["reencoded", "kept"])
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_backward_transpose_of_the_weight_is_exact(device, monkeypatch, rec, microbatch):
+    """The Wᵀ that dgrad multiplies by holds the bytes of the forward's W, transposed, and its scale:
+    re-encoded from the weight (training default) or transposed from the kept W. Delayed scaling
+    moves the weight's scale at the autocast exit between the two (the snapshot must be used)."""
+    from te_parallel.ops import fp8_gemm_config, gemm
+
     lin = te.Linear(64, 48, device=device)
-    cached, made = [], []
-    original = Float8Tensor.with_transpose
+    fwd, used = [], []
+    quantize_weight, dgrad = fp8_gemm_config.GemmFP8.quantize_weight, gemm.dgrad
 
-    def spy(self):
-        out = original(self)
-        cached.append(self)
-        made.append(out)
-        return out
+    def spy_weight(self, w, amax_group=None):
+        fwd.append(quantize_weight(self, w, amax_group))
+        return fwd[-1]
 
-    monkeypatch.setattr(Float8Tensor, "with_transpose", spy)
+    def spy_dgrad(dy, w, out_dtype):
+        used.append(w)
+        return dgrad(dy, w, out_dtype)
+
+    monkeypatch.setattr(fp8_gemm_config.GemmFP8, "quantize_weight", spy_weight)
+    monkeypatch.setattr(gemm, "dgrad", spy_dgrad)
     x = torch.randn(32, 64, device=device, requires_grad=True)
-    with te.fp8_autocast():
-        y = lin(x)
-    y.sum().backward()
-    assert len(made) == 1 and made[0].data_t is not None and cached[0].data_t is None
-    assert torch.equal(made[0].data_t.view(torch.uint8), cached[0].data.t().contiguous().view(torch.uint8))
+    for step in range(2):
+        with te.fp8_autocast(fp8_recipe=rec):
+            y = lin(x, is_first_microbatch=microbatch)
+        if rec.delayed():
+            slot = lin.fp8_state.weight_slot(0)
+            assert not torch.equal(lin.fp8_state.fwd_scale[slot], fwd[-1].scale)  # moved on since the cast
+        y.sum().backward()
+        w, wt = fwd[-1], used[-1]
+        assert torch.equal(wt.data_t.view(torch.uint8), w.data.t().contiguous().view(torch.uint8))
+        assert torch.equal(wt.scale_inv, w.scale_inv)
+        with torch.no_grad():
+            lin.weight.mul_(1.5)  # the next step's weight and amax differ
+    assert len(fwd) == 2 and len(used) == 2
 
 
 @pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()], ids=["delayed", "current"])

@@ -75,15 +75,15 @@ void delayed_scaling_update(const std::vector<StateTuple>& states, float fp8_max
 
 void cast_transpose_amax(std::uintptr_t x, int x_dtype, long long rows, long long cols, std::uintptr_t scale,
                          std::uintptr_t out, std::uintptr_t out_t, std::uintptr_t amax, std::uintptr_t scale_inv,
-                         int out_dtype, std::uintptr_t stream) {
+                         std::uintptr_t scale_out, int out_dtype, std::uintptr_t stream) {
   tep_status status;
   {
     py::gil_scoped_release no_gil;
     status = tep_cast_transpose_amax(reinterpret_cast<const void*>(x), x_dtype, rows, cols,
                                      reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(out),
                                      reinterpret_cast<void*>(out_t), reinterpret_cast<float*>(amax),
-                                     reinterpret_cast<float*>(scale_inv), out_dtype,
-                                     reinterpret_cast<void*>(stream));
+                                     reinterpret_cast<float*>(scale_inv), reinterpret_cast<float*>(scale_out),
+                                     out_dtype, reinterpret_cast<void*>(stream));
   }
   check(status);
 }
@@ -132,9 +132,10 @@ PYBIND11_MODULE(_C, m) {
         "over history, 1 = most recent; stream: cudaStream_t as int. Raises RuntimeError.");
   m.def("cast_transpose_amax", &cast_transpose_amax, py::arg("x"), py::arg("x_dtype"), py::arg("rows"),
         py::arg("cols"), py::arg("scale"), py::arg("out"), py::arg("out_t"), py::arg("amax"),
-        py::arg("scale_inv"), py::arg("out_dtype"), py::arg("stream"),
-        "FP8 cast of a row-major [rows, cols] matrix with optional transposed copy (out_t), amax and "
-        "scale_inv = 1/scale (pointers as ints, 0 = absent); dtypes as tep_dtype codes. Raises RuntimeError.");
+        py::arg("scale_inv"), py::arg("scale_out"), py::arg("out_dtype"), py::arg("stream"),
+        "FP8 cast of a row-major [rows, cols] matrix (out) and/or its transposed copy (out_t), with amax, "
+        "scale_inv = 1/scale and scale_out = scale (pointers as ints, 0 = absent); dtypes as tep_dtype codes. "
+        "Raises RuntimeError.");
   m.def("cast_transpose_dbias", &cast_transpose_dbias, py::arg("x"), py::arg("x_dtype"), py::arg("rows"),
         py::arg("cols"), py::arg("scale"), py::arg("out"), py::arg("out_t"), py::arg("amax"), py::arg("scale_inv"),
         py::arg("out_dtype"), py::arg("dbias"), py::arg("dbias_dtype"), py::arg("workspace"),

@@ -51,10 +51,13 @@ template <typename T, __nv_fp8_interpretation_t kFmt, bool kDbias>
 __global__ void __launch_bounds__(tile::kThreads) cast_transpose_kernel(
     const T* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale_ptr,
     uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax_out,
-    float* __restrict__ scale_inv_out, float* __restrict__ ws, bool vec_in, bool vec_out, bool vec_out_t) {
+    float* __restrict__ scale_inv_out, float* __restrict__ scale_out, float* __restrict__ ws, bool vec_in,
+    bool vec_out, bool vec_out_t) {
   const float scale = *scale_ptr;
-  if (scale_inv_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    *scale_inv_out = 1.0f / scale;  // IEEE division (no fast math): the bits of torch's 1.0 / scale
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    // IEEE division (no fast math): the bits of torch's 1.0 / scale
+    if (scale_inv_out != nullptr) *scale_inv_out = 1.0f / scale;
+    if (scale_out != nullptr) *scale_out = scale;
   }
   const int64_t row_tiles = (rows + tile::kBlockRows - 1) / tile::kBlockRows;
   float local_max = 0.f;
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(tile::kThreads) cast_transpose_kernel(
 
 template <typename T, bool kDbias>
 tep_status launch(const void* x, int64_t rows, int64_t cols, const float* scale, void* out, void* out_t,
-                  float* amax, float* scale_inv, float* ws, int out_dtype, cudaStream_t stream) {
+                  float* amax, float* scale_inv, float* scale_out, float* ws, int out_dtype, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((cols + tile::kBlockCols - 1) / tile::kBlockCols), tile::grid_y(rows));
   const bool vec_in = cols % tile::kSub == 0 && tile::aligned(x, 16);
   const bool vec_out = cols % tile::kSub == 0 && (out == nullptr || tile::aligned(out, 8));
@@ -95,10 +98,10 @@ tep_status launch(const void* x, int64_t rows, int64_t cols, const float* scale,
   auto* xt = static_cast<uint8_t*>(out_t);
   if (out_dtype == TEP_FLOAT8_E4M3) {
     cast_transpose_kernel<T, __NV_E4M3, kDbias><<<grid, tile::kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, scale_inv, ws, vec_in, vec_out, vec_out_t);
+        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, scale_inv, scale_out, ws, vec_in, vec_out, vec_out_t);
   } else {
     cast_transpose_kernel<T, __NV_E5M2, kDbias><<<grid, tile::kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, scale_inv, ws, vec_in, vec_out, vec_out_t);
+        static_cast<const T*>(x), rows, cols, scale, xo, xt, amax, scale_inv, scale_out, ws, vec_in, vec_out, vec_out_t);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
@@ -160,12 +163,16 @@ bool check_cast(const char* fn, const void* x, long long rows, long long cols, c
 
 template <bool kDbias>
 tep_status dispatch(const char* fn, const void* x, int x_dtype, long long rows, long long cols, const float* scale,
-                    void* out, void* out_t, float* amax, float* scale_inv, float* ws, int out_dtype, cudaStream_t s) {
+                    void* out, void* out_t, float* amax, float* scale_inv, float* scale_out, float* ws, int out_dtype,
+                    cudaStream_t s) {
   switch (x_dtype) {
-    case TEP_FLOAT32: return launch<float, kDbias>(x, rows, cols, scale, out, out_t, amax, scale_inv, ws, out_dtype, s);
-    case TEP_FLOAT16: return launch<__half, kDbias>(x, rows, cols, scale, out, out_t, amax, scale_inv, ws, out_dtype, s);
+    case TEP_FLOAT32:
+      return launch<float, kDbias>(x, rows, cols, scale, out, out_t, amax, scale_inv, scale_out, ws, out_dtype, s);
+    case TEP_FLOAT16:
+      return launch<__half, kDbias>(x, rows, cols, scale, out, out_t, amax, scale_inv, scale_out, ws, out_dtype, s);
     case TEP_BFLOAT16:
-      return launch<__nv_bfloat16, kDbias>(x, rows, cols, scale, out, out_t, amax, scale_inv, ws, out_dtype, s);
+      return launch<__nv_bfloat16, kDbias>(x, rows, cols, scale, out, out_t, amax, scale_inv, scale_out, ws,
+                                           out_dtype, s);
     default:
       tep::set_error("%s: x_dtype = %d; need TEP_FLOAT32 (0), TEP_FLOAT16 (1) or TEP_BFLOAT16 (2)", fn, x_dtype);
       return TEP_ERROR_INVALID_ARGUMENT;
@@ -176,10 +183,10 @@ tep_status dispatch(const char* fn, const void* x, int x_dtype, long long rows, 
 
 extern "C" tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long rows, long long cols,
                                               const float* scale, void* out, void* out_t, float* amax,
-                                              float* scale_inv, int out_dtype, void* stream) {
+                                              float* scale_inv, float* scale_out, int out_dtype, void* stream) {
   constexpr const char* kFn = "tep_cast_transpose_amax";
   if (!check_cast(kFn, x, rows, cols, scale, out, out_t, out_dtype)) return TEP_ERROR_INVALID_ARGUMENT;
-  return dispatch<false>(kFn, x, x_dtype, rows, cols, scale, out, out_t, amax, scale_inv, nullptr, out_dtype,
+  return dispatch<false>(kFn, x, x_dtype, rows, cols, scale, out, out_t, amax, scale_inv, scale_out, nullptr, out_dtype,
                          static_cast<cudaStream_t>(stream));
 }
 
@@ -205,7 +212,7 @@ extern "C" tep_status tep_cast_transpose_dbias(const void* x, int x_dtype, long 
   auto s = static_cast<cudaStream_t>(stream);
   auto* ws = static_cast<float*>(workspace);
   const tep_status status =
-      dispatch<true>(kFn, x, x_dtype, rows, cols, scale, out, out_t, amax, scale_inv, ws, out_dtype, s);
+      dispatch<true>(kFn, x, x_dtype, rows, cols, scale, out, out_t, amax, scale_inv, nullptr, ws, out_dtype, s);
   if (status != TEP_SUCCESS) return status;
   tep::tile::launch_colsum_finalize(ws, rows, cols, dbias, dbias_dtype, s);
   const cudaError_t err = cudaGetLastError();

@@ -18,11 +18,14 @@ class Float8Tensor:
     B column-major), so dgrad and wgrad read the transposed copies (DESIGN.md §3).
     `scale_inv` is the fp32 scalar the bytes were encoded with (decoded value = data * scale_inv);
     it travels with the bytes, so a cached tensor stays valid after the module's scale moves on.
+    `scale` (weights only) is a snapshot of the encoding scale itself: re-encoding the same source
+    with it gives the same bytes (how backward makes Wᵀ without keeping W: ops/fp8_gemm_config).
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     data_t: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
 
     @property
     def fp8_dtype(self) -> torch.dtype:

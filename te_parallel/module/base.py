@@ -130,13 +130,24 @@ class FP8Module(nn.Module):
         if hit is not None and hit[0][1:] == key[1:]:
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]
-        # Wᵀ (for dgrad) is made in backward by the one-pass FP8 transpose, not here: emitted by this
-        # cast it sits in memory through the whole forward, 1.501 instead of 1.376 GiB of the seed
-        # layer's peak on an H200 (+9%), to save ~0.13 ms of transposes (docs/benchmarks.md). Nor is
-        # it kept here after that backward (ops/linear.linear_bwd).
+        # Wᵀ (for dgrad) is made in backward, not here: emitted by this cast it sits in memory through
+        # the whole forward, 1.501 instead of 1.376 GiB of the seed layer's peak on an H200 (+9%), to
+        # save ~0.13 ms of transposes (docs/benchmarks.md). Nor is it kept here after that backward.
         with torch.no_grad():
             w_q = cfg.quantize_weight(weight.detach(), amax_group)
-        self._weight_cache[cfg.gemm] = (key, w_q)
+        # The FP8 W is kept for the next forward only where that forward can use it: TE's explicit
+        # micro-batch flag, inference, frozen weights. In a training step (is_first_microbatch=None)
+        # the optimizer changes the weights first, so a kept copy would never be used and would hold
+        # 1 byte per parameter from this forward through backward and on to the next step. Not kept,
+        # W is freed after its forward GEMM and backward re-encodes Wᵀ from `weight` (unless `weight`
+        # is a concatenated copy, which would cost more than W itself).
+        if (is_first_microbatch is not None or not torch.is_grad_enabled()
+                or not any(p.requires_grad for p in params)):
+            self._weight_cache[cfg.gemm] = (key, w_q)
+        else:
+            self._weight_cache.pop(cfg.gemm, None)
+            if weight.data_ptr() == params[0].data_ptr():
+                cfg.weight_src = weight
         return w_q
 
 

@@ -38,30 +38,45 @@ def quantize(
     amax_out: Optional[torch.Tensor] = None,
     transpose: bool = False,
     dbias_out: Optional[torch.Tensor] = None,
+    rowwise: bool = True,
+    keep_scale: bool = False,
 ) -> Float8Tensor:
     """Cast a 2-D tensor to FP8 with `scale` (fp32 scalar tensor).
 
     amax_out: a 1-element fp32 tensor (e.g. a view into an amax history row) that receives
     max(amax_out, amax(x)). transpose: also emit the contiguous [cols, rows] copy.
     dbias_out: a [cols] tensor that receives the column sums of x (x is an output gradient; the sums
-    are its bias gradient), from the same read of x on CUDA.
+    are its bias gradient), from the same read of x on CUDA. rowwise=False (with transpose): only
+    the transposed copy is written (`data` is then a view of it). keep_scale: also return a snapshot
+    of `scale` as the result's `.scale` (written by the same launch on CUDA).
     """
     _check_fp8_dtype(fp8_dtype)
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if not (rowwise or transpose):
+        raise ValueError("quantize: rowwise=False needs transpose=True (nothing would be written)")
     x = x.detach()
     scale = scale.detach().to(torch.float32).reshape(())
     if _use_native(x):
-        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel: 1 / scale
-        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv, dbias_out)
-        return Float8Tensor(data=data, scale_inv=scale_inv, data_t=data_t)
+        # written by the kernel: 1 / scale (and the scale's snapshot beside it, when asked for)
+        if keep_scale:
+            scales = torch.empty(2, dtype=torch.float32, device=x.device)
+            scale_inv, snapshot = scales[0], scales[1]
+        else:
+            scale_inv, snapshot = torch.empty((), dtype=torch.float32, device=x.device), None
+        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv, dbias_out,
+                                                   rowwise=rowwise, scale_out=snapshot)
+        return Float8Tensor(data=data_t.t() if data is None else data, scale_inv=scale_inv, data_t=data_t,
+                            scale=snapshot)
     if dbias_out is not None:
         dbias_out.copy_(x.sum(0))
     if amax_out is not None:
         torch.maximum(amax_out, amax_of(x).view_as(amax_out), out=amax_out)
     limit = fp8_max(fp8_dtype)
     data = (x.to(torch.float32) * scale).clamp_(-limit, limit).to(fp8_dtype)
-    return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data.t().contiguous() if transpose else None)
+    data_t = data.t().contiguous() if transpose else None
+    return Float8Tensor(data=data if rowwise else data_t.t(), scale_inv=1.0 / scale, data_t=data_t,
+                        scale=scale.clone() if keep_scale else None)
 
 
 def _use_native(x: torch.Tensor) -> bool:
@@ -72,13 +87,14 @@ def _use_native(x: torch.Tensor) -> bool:
 
 def quantize_current(
     x: torch.Tensor, fp8_dtype: torch.dtype, *, amax: Optional[torch.Tensor] = None, transpose: bool = False,
-    dbias_out: Optional[torch.Tensor] = None,
+    dbias_out: Optional[torch.Tensor] = None, keep_scale: bool = False,
 ) -> Float8Tensor:
     """Current scaling: scale = fp8_max / amax(x) (or a given amax, e.g. one all-reduced across ranks)."""
     _check_fp8_dtype(fp8_dtype)
     if amax is None:
         amax = amax_of(x)
-    return quantize(x, current_scale(amax, fp8_max(fp8_dtype)), fp8_dtype, transpose=transpose, dbias_out=dbias_out)
+    return quantize(x, current_scale(amax, fp8_max(fp8_dtype)), fp8_dtype, transpose=transpose, dbias_out=dbias_out,
+                    keep_scale=keep_scale)
 
 
 def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

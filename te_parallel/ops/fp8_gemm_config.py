@@ -28,6 +28,9 @@ class GemmFP8:
     group: Optional[dist.ProcessGroup]  # amaxes are all-reduced over it
     fwd_scale: Optional[torch.Tensor] = None  # recompute: the forward scales of the original pass
     record: bool = True                 # recompute: amaxes were recorded by the original pass
+    # The high-precision weight that `weight` was cast from, when the module does not keep `weight`
+    # after this forward: backward then re-encodes Wᵀ from it (weight_for_backward).
+    weight_src: Optional[torch.Tensor] = None
 
     @property
     def delayed(self) -> bool:
@@ -41,7 +44,7 @@ class GemmFP8:
         return hist[0, slot : slot + 1]
 
     def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool, amax_group=None,
-              dbias_out=None) -> Float8Tensor:
+              dbias_out=None, keep_scale: bool = False) -> Float8Tensor:
         """amax_group: for current scaling of a tensor that will be gathered, the ranks whose amaxes
         are all-reduced first so that every shard is encoded with the same scale. dbias_out: receives
         the column sums of x (see quantize)."""
@@ -52,9 +55,11 @@ class GemmFP8:
             if amax_group is not None and dist.get_world_size(amax_group) > 1:
                 amax = amax_of(x)
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-            return quantize_current(x, dtype, amax=amax, transpose=transpose, dbias_out=dbias_out)
+            return quantize_current(x, dtype, amax=amax, transpose=transpose, dbias_out=dbias_out,
+                                    keep_scale=keep_scale)
         scale, amax_out = self._delayed_scale(slot, backward)
-        return quantize(x, scale, dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out)
+        return quantize(x, scale, dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out,
+                        keep_scale=keep_scale)
 
     def _delayed_scale(self, slot: int, backward: bool):
         """(scale, amax cell or None) of a delayed-scaling cast into `slot`."""
@@ -82,10 +87,38 @@ class GemmFP8:
         self.on_backward()
         return q, dbias
 
+    def cast_dactivation_rows(self, name: str, dact: torch.Tensor, h: torch.Tensor, out: torch.Tensor,
+                              dbias_out: Optional[torch.Tensor]) -> None:
+        """cast_dactivation of some rows of h (a backward done in row chunks): the FP8 bytes go into
+        `out` (those rows of the whole FP8 gradient, no transpose) and the rows' bias-gradient sums into
+        dbias_out (fp32) when given. The whole gradient's Float8Tensor is `dactivation_fp8(bytes)`."""
+        from te_parallel.ops.native_activation import dbias_dactivation_fp8
+
+        scale, amax_out = self._delayed_scale(self._slot(True), True)
+        dbias_dactivation_fp8(name, dact, h, None, scale, self.recipe.fp8_format.bwd_dtype, amax_out=amax_out,
+                              transpose=False, need_dbias=dbias_out is not None, fp8_out=out, dbias_out=dbias_out)
+        self.on_backward()
+
+    def dactivation_fp8(self, data: torch.Tensor) -> Float8Tensor:
+        """The Float8Tensor of FP8 bytes written by cast_dactivation_rows (scale_inv = 1 / its scale)."""
+        scale = self._delayed_scale(self._slot(True), True)[0]
+        return Float8Tensor(data, 1.0 / scale.detach().reshape(()))
+
     def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
-        """The weight W [N, K] (a shard under TP); its transpose is made when dgrad first needs it."""
+        """The weight W [N, K] (a shard under TP), with a snapshot of its scale; its transpose is made
+        when dgrad needs it."""
         slot = FP8ScalingState.weight_slot(self.gemm)
-        return self._cast(w, slot, backward=False, transpose=False, amax_group=amax_group)
+        return self._cast(w, slot, backward=False, transpose=False, amax_group=amax_group, keep_scale=True)
+
+    def weight_for_backward(self):
+        """What dgrad will need of this GEMM's FP8 weight, called once its forward GEMM has run: the
+        FP8 W itself while the module keeps it anyway (its cache), else a WeightSource that re-encodes
+        Wᵀ from the high-precision weight. This plan forgets W either way, so an uncached W is freed
+        with the forward instead of living until backward (docs/design-notes.md, "FP8 weights")."""
+        w, self.weight = self.weight, None
+        if self.weight_src is None or w.scale is None:
+            return w
+        return WeightSource(self.weight_src, w.scale, w.scale_inv, w.fp8_dtype)
 
     def record_weight_amax(self, w: torch.Tensor) -> None:
         self._record(w, FP8ScalingState.weight_slot(self.gemm), backward=False)
@@ -113,3 +146,31 @@ class GemmFP8:
     def on_backward(self) -> None:
         if self.delayed:
             _autocast.record_backward(self.state, self.recipe, self.group)
+
+
+class WeightSource:
+    """Backward's handle on an FP8 weight that was not kept after forward.
+
+    `with_transpose()` casts the high-precision weight again with the scale snapshot of the forward's
+    cast: the bytes are those of the forward's W, transposed (the cast is a pure function of source and
+    scale), written straight into the [K, N] layout dgrad reads. Costs one more read of the
+    high-precision weight in backward; saves holding every FP8 weight from forward to backward.
+    """
+
+    __slots__ = ("weight", "scale", "scale_inv", "fp8_dtype", "version")
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype):
+        self.weight, self.scale, self.scale_inv, self.fp8_dtype = weight, scale, scale_inv, fp8_dtype
+        self.version = weight._version
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def with_transpose(self) -> Float8Tensor:
+        if self.weight._version != self.version:
+            raise RuntimeError(
+                f"an FP8 weight of shape {tuple(self.weight.shape)} was modified in place between forward and "
+                f"backward (version {self.version} -> {self.weight._version}); update weights after backward")
+        q = quantize(self.weight.detach(), self.scale, self.fp8_dtype, transpose=True, rowwise=False)
+        return Float8Tensor(q.data, self.scale_inv, q.data_t)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
 from te_parallel.ops import linear_overlap as ov
+from te_parallel.ops.fp8_gemm_config import WeightSource
 from te_parallel.parallel.collectives import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from te_parallel.parallel.groups import group_size
 
@@ -184,6 +185,8 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     s = LinearSaved()
     s.fp8, s.targets, s.par, s.act_dtype = fp8, wgrad_targets, par, act_dtype
     s.has_bias, s.weight_dtype, s.w_saved = bias is not None, weight.dtype, w_used
+    if grad and fp8 is not None and fp8.compute:  # W is not needed after this GEMM unless cached
+        s.w_saved = fp8.weight_for_backward()
     s.x_saved, s.regather = None, regather
     if need_wgrad:  # the local shard when backward re-gathers it, else (FP8) xᵀ only
         keep = regather or not isinstance(x_local, Float8Tensor)
@@ -192,12 +195,18 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
 
 
 def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need_dw: bool, need_dbias: bool,
-               dy_q: Optional[Float8Tensor] = None, dbias: Optional[torch.Tensor] = None):
+               dy_q: Optional[Float8Tensor] = None, dbias: Optional[torch.Tensor] = None, dx_rows=None):
     """(dx2d, dw, dbias) of one linear_fwd (None where not needed; dw None when accumulated into
     main_grad). dy2d [M or M/tp, N] in the activation dtype; or dy_q, the output gradient already cast
     with this GEMM's gradient scale (with its transpose when wgrad is needed) together with its dbias
-    (e.g. by the activation's backward kernel, which also counted the cast: GemmFP8.cast_dactivation)."""
+    (e.g. by the activation's backward kernel, which also counted the cast: GemmFP8.cast_dactivation).
+
+    dx_rows = (rows per chunk, consume): make dx in row chunks after wgrad, handing each to
+    consume(first row, dx rows) before the next is made (dx2d is then None); only where dx needs no
+    reduction across ranks and dgrad is not overlapped (ops.mlp uses it to bound fc2's dgrad output)."""
     fp8, targets, par = s.fp8, s.targets, s.par
+    if dx_rows is not None and (par.overlap_dgrad or (par.active and par.mode == "column") or not need_dx):
+        raise ValueError("linear_bwd: dx_rows needs dx without a cross-rank reduction or dgrad overlap")
     if dy_q is not None:
         dy = dy_q
     elif fp8 is not None and fp8.compute:
@@ -213,15 +222,15 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
         dbias = dy2d.sum(0) if need_dbias else None
     if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
         all_reduce(dbias, par.group)
-    if need_dx and isinstance(s.w_saved, Float8Tensor):
-        # Wᵀ for dgrad, made once per backward and dropped with it: kept in the weight cache it would
-        # stay allocated until the next forward recasts W (docs/design-notes.md, "Which cast makes which transpose")
+    if need_dx and isinstance(s.w_saved, (Float8Tensor, WeightSource)):
+        # Wᵀ for dgrad, made once per backward and dropped with it: from the cached FP8 W, or re-encoded
+        # from the high-precision weight (docs/design-notes.md, "Which cast makes which transpose")
         s.w_saved = s.w_saved.with_transpose()
     # (the column path re-gathers the saved local shard: only when forward kept the shard)
     if par.overlap_dgrad and (par.mode == "row" or s.regather):
         dx2d, dy, dw = _overlapped_backward(s, dy, need_dx, need_dw)
     else:
-        dx2d, dw = _backward(s, dy, need_dx, need_dw)
+        dx2d, dw = _backward(s, dy, need_dx, need_dw, dx_rows)
     if targets and dw is not None:
         _accumulate_main_grad(targets, dw)
         dw = None
@@ -260,11 +269,13 @@ def keep_graph() -> bool:
     return True if fn is None else bool(fn())
 
 
-def _backward(s, dy, need_dx: bool, need_dw: bool):
+def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
     """dgrad and wgrad with NCCL collectives (async where a GEMM can hide them; see the module doc)."""
     par, targets = s.par, s.targets
     if par.gathers_grad:
         dy = _gather(dy, par.group)[0]
+    if dx_rows is not None:
+        return None, _wgrad_then_dgrad_rows(s, dy, need_dw, *dx_rows)
     x_full, x_handle = s.x_saved, None
     if need_dw and s.regather:
         x_full, x_handle = _gather(s.x_saved, par.group, async_op=True)  # overlaps dgrad
@@ -280,6 +291,20 @@ def _backward(s, dy, need_dx: bool, need_dw: bool):
     if dx_handle is not None:
         dx_handle.wait()
     return dx2d, dw
+
+
+def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
+    """wgrad first, so that its operands (xᵀ, dyᵀ) are freed before dx exists; then dx chunk by chunk."""
+    dw = _wgrad(dy, s.x_saved, torch.float32 if s.targets else s.weight_dtype) if need_dw else None
+    if isinstance(dy, Float8Tensor):
+        dy.data_t = None  # dyᵀ was wgrad's; this backward's own tensor
+    if not keep_graph():
+        s.x_saved = None
+    for r0 in range(0, _rows_of(dy), chunk):
+        rows = (Float8Tensor(dy.data[r0 : r0 + chunk], dy.scale_inv) if isinstance(dy, Float8Tensor)
+                else dy[r0 : r0 + chunk])
+        consume(r0, _dgrad(rows, s.w_saved, s.act_dtype))
+    return dw
 
 
 def _overlapped_backward(s, dy, need_dx: bool, need_dw: bool):

@@ -167,6 +167,8 @@ def dbias_dactivation_backward(
     scale: Optional[torch.Tensor] = None,
     amax_out: Optional[torch.Tensor] = None,
     transpose: bool = False,
+    fp8_out: Optional[torch.Tensor] = None,
+    dbias_out: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[Float8Tensor]]:
     """Backward of bias_activation_forward at the saved x (and bias): (dx or None, dbias or None, FP8 dx or None).
 
@@ -174,7 +176,9 @@ def dbias_dactivation_backward(
     high_precision; dbias [cols] in x.dtype (column sums of dx, fp32 accumulation in a fixed order) if
     need_dbias, with or without a `bias` (fc1's bias may have been added in the GEMM); fp8_dtype / scale /
     amax_out / transpose as in bias_activation_forward, of dx. One pass over dy and x, plus a small
-    reduction kernel for dbias.
+    reduction kernel for dbias. For a backward done in row chunks: fp8_out, a contiguous [rows, cols]
+    tensor of fp8_dtype (e.g. rows of a larger one) receives the FP8 bytes (then no Float8Tensor is
+    returned, and no transpose); dbias_out, a contiguous [cols] float tensor, receives dbias.
     """
     where = "dbias_dactivation_backward"
     rows, cols, out_cols = _check_inputs(where, name, x, bias)
@@ -183,21 +187,31 @@ def dbias_dactivation_backward(
     if not (high_precision or need_dbias or fp8_dtype is not None or amax_out is not None):
         raise ValueError(f"{where}: high_precision=False, need_dbias=False, fp8_dtype=None and amax_out=None ask "
                          f"for nothing; need at least one output")
+    if fp8_out is not None and not (fp8_out.dtype == fp8_dtype and fp8_out.shape == (rows, cols)
+                                    and fp8_out.is_contiguous() and fp8_out.device == x.device and not transpose):
+        raise ValueError(f"{where}: fp8_out is {_describe(fp8_out)} with transpose={transpose}; need a contiguous "
+                         f"[{rows}, {cols}] {fp8_dtype} tensor on {x.device} and transpose=False")
+    if dbias_out is not None and not (need_dbias and dbias_out.shape == (cols,) and dbias_out.is_contiguous()
+                                      and dbias_out.dtype in _HP_DTYPES and dbias_out.device == x.device):
+        raise ValueError(f"{where}: dbias_out is {_describe(dbias_out)} with need_dbias={need_dbias}; need "
+                         f"need_dbias=True and a contiguous [{cols}] float tensor on {x.device}")
     module = _module()
     dx = torch.empty(rows, cols, dtype=x.dtype, device=x.device) if high_precision else None
-    data, data_t = _fp8_outputs(rows, cols, fp8_dtype, transpose, x.device)
+    data, data_t = (fp8_out, None) if fp8_out is not None else _fp8_outputs(rows, cols, fp8_dtype, transpose,
+                                                                          x.device)
     dbias = workspace = None
     if need_dbias:
-        dbias = torch.empty(cols, dtype=x.dtype, device=x.device)
+        dbias = torch.empty(cols, dtype=x.dtype, device=x.device) if dbias_out is None else dbias_out
         workspace = torch.empty(module.dbias_dactivation_workspace_size(rows, cols), dtype=torch.uint8,
                                 device=x.device)
     guard, stream = _native.launch_on(x.device)
     with guard:
         module.dbias_dactivation(ACT_CODES[name], dy.data_ptr(), x.data_ptr(), _ptr(bias), _DTYPES[x.dtype], rows,
                                  cols, _ptr(dx), _ptr(data), _ptr(data_t), _ptr(scale) if data is not None else 0,
-                                 _ptr(amax_out), _DTYPES.get(fp8_dtype, 3), _ptr(dbias), _DTYPES[x.dtype],
-                                 _ptr(workspace), 0 if workspace is None else workspace.numel(), stream)
-    return dx, dbias, _float8(data, data_t, scale)
+                                 _ptr(amax_out), _DTYPES.get(fp8_dtype, 3), _ptr(dbias), _DTYPES[dbias.dtype]
+                                 if dbias is not None else 0, _ptr(workspace),
+                                 0 if workspace is None else workspace.numel(), stream)
+    return dx, dbias, (None if fp8_out is not None else _float8(data, data_t, scale))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,24 +234,32 @@ def bias_activation_fp8(name: str, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 def dbias_dactivation_fp8(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
                           scale: torch.Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[torch.Tensor] = None,
-                          transpose: bool = True, need_dbias: bool = True
-                          ) -> Tuple[Float8Tensor, Optional[torch.Tensor]]:
+                          transpose: bool = True, need_dbias: bool = True, fp8_out: Optional[torch.Tensor] = None,
+                          dbias_out: Optional[torch.Tensor] = None
+                          ) -> Tuple[Optional[Float8Tensor], Optional[torch.Tensor]]:
     """(FP8 dx with its transpose, dbias or None) for a 2-D x: the dact + dbias + cast-transpose fusion that
-    feeds fc1's FP8 dgrad and wgrad GEMMs. PyTorch ops where the kernels cannot run."""
+    feeds fc1's FP8 dgrad and wgrad GEMMs. PyTorch ops where the kernels cannot run. fp8_out / dbias_out:
+    as in dbias_dactivation_backward (rows of a backward done in chunks; FP8 dx is then None)."""
     scale = scale.detach().to(torch.float32).reshape(())
     if (x.dim() == 2 and x.is_contiguous() and dy.is_contiguous() and dy.dtype == x.dtype
             and supports(name, x, bias) and scale.device == x.device):
         _, dbias, fp8 = dbias_dactivation_backward(name, dy, x, bias, need_dbias=need_dbias, high_precision=False,
                                                    fp8_dtype=fp8_dtype, scale=scale, amax_out=amax_out,
-                                                   transpose=transpose)
+                                                   transpose=transpose, fp8_out=fp8_out, dbias_out=dbias_out)
         return fp8, dbias
     from te_parallel.ops.cast import quantize
 
     with torch.enable_grad():
         v = x.detach().requires_grad_(True)
         (dx,) = torch.autograd.grad(bias_activation_torch(name, v, bias), v, dy)
-    dbias = dx.float().sum(0).to(dx.dtype) if need_dbias else None
-    return quantize(dx, scale, fp8_dtype, amax_out=amax_out, transpose=transpose), dbias
+    dbias = None
+    if need_dbias:
+        dbias = dx.float().sum(0).to(dx.dtype) if dbias_out is None else dbias_out.copy_(dx.float().sum(0))
+    q = quantize(dx, scale, fp8_dtype, amax_out=amax_out, transpose=transpose and fp8_out is None)
+    if fp8_out is None:
+        return q, dbias
+    fp8_out.copy_(q.data)
+    return None, dbias
 
 
 # ------------------------------------------------------------------------------------------------

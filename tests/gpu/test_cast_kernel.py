@@ -33,6 +33,11 @@ def test_cast_matches_reference(shape, dtype, fp8):
     assert amax.item() == max(0.25, x.float().abs().max().item())
     data2, none = _native.cast_transpose_amax(x, scale, fp8, None, transpose=False)
     assert none is None and torch.equal(data2.view(torch.uint8), data.view(torch.uint8))
+    # transposed copy only, with the scale's snapshot (how backward re-encodes a weight's Wᵀ)
+    snap = torch.full((), float("nan"), device="cuda")
+    none, t_only = _native.cast_transpose_amax(x, scale, fp8, None, transpose=True, rowwise=False, scale_out=snap)
+    assert none is None and torch.equal(t_only.view(torch.uint8), data_t.view(torch.uint8))
+    assert torch.equal(snap, scale)
 
 
 def test_amax_propagates_nan_and_keeps_larger_previous():
@@ -49,6 +54,12 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="need a contiguous non-empty 2-D"):
         _native.cast_transpose_amax(torch.randn(4, 4, device="cuda").t(), torch.tensor(1.0, device="cuda"),
                                     torch.float8_e4m3fn, None, transpose=False)
+    with pytest.raises(ValueError, match="rowwise=False, transpose=False"):
+        _native.cast_transpose_amax(torch.randn(4, 4, device="cuda"), torch.tensor(1.0, device="cuda"),
+                                    torch.float8_e4m3fn, None, transpose=False, rowwise=False)
+    with pytest.raises(ValueError, match="dbias_out goes with the row-wise cast"):
+        _native.cast_transpose_amax(torch.randn(4, 4, device="cuda"), torch.tensor(1.0, device="cuda"),
+                                    torch.float8_e4m3fn, None, True, None, torch.empty(4, device="cuda"), rowwise=False)
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(8, 3), (4104, 16)], ids=[f"{r}x{c}" for r, c in SHAPES + [(8, 3), (4104, 16)]])

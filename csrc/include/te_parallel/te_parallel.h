@@ -80,19 +80,23 @@ typedef enum {
 
 /*
  * Cast a row-major [rows, cols] matrix to FP8 in one read of the source:
- *   out[i, j]   = fp8(float(x[i, j]) * scale[0])   round-to-nearest-even, saturating to ±fp8_max,
- *                                                   NaN stays NaN (same bits as torch's conversion)
- *   out_t[j, i] = out[i, j]                         if out_t != NULL (the transposed copy)
+ *   out[i, j]   = fp8(float(x[i, j]) * scale[0])   if out != NULL; round-to-nearest-even, saturating to
+ *                                                   ±fp8_max, NaN stays NaN (same bits as torch's conversion)
+ *   out_t[j, i] = out[i, j]                         if out_t != NULL (the transposed copy; at least one
+ *                                                   of out and out_t must be given)
  *   amax[0]     = max(amax[0], max |x|)             if amax != NULL (NaN propagates; amax[0] >= 0)
  *   scale_inv[0] = 1 / scale[0]                      if scale_inv != NULL (IEEE division), so the
  *                                                   decoding scale is a copy that later scale updates
  *                                                   do not touch
+ *   scale_out[0] = scale[0]                          if scale_out != NULL (a snapshot of the scale the
+ *                                                   bytes were encoded with: re-encoding the same
+ *                                                   source with it later gives the same bytes)
  * x_dtype: TEP_FLOAT32 / FLOAT16 / BFLOAT16; out_dtype: TEP_FLOAT8_E4M3 / E5M2. Any rows, cols >= 1.
  * Asynchronous on `stream`.
  */
 TEP_API tep_status tep_cast_transpose_amax(const void* x, int x_dtype, long long rows, long long cols,
                                            const float* scale, void* out, void* out_t, float* amax,
-                                           float* scale_inv, int out_dtype, void* stream);
+                                           float* scale_inv, float* scale_out, int out_dtype, void* stream);
 
 /* Bytes of fp32 workspace tep_cast_transpose_dbias needs for x [rows, cols]. */
 TEP_API long long tep_cast_transpose_dbias_workspace_size(long long rows, long long cols);
