@@ -8,6 +8,7 @@ else relative error below TOL. FP8 states must be bit-identical on all ranks aft
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ def tol(recipe_name: str, device: torch.device) -> float:
 
 @dataclass(frozen=True)
 class Case:
-    module: str  # linear-column, linear-row, lnlinear-column, mlp
+    module: str  # linear-column, linear-row, lnlinear-column, mlp, mlp-chunked (fused backward in row chunks)
     sp: bool
     bias: bool
     recipe: str
@@ -41,14 +42,34 @@ class Case:
 
 def all_cases():
     mods = ["linear-column", "linear-row", "lnlinear-column", "mlp"]
-    return [Case(*c) for c in itertools.product(mods, [False, True], [True, False], list(RECIPES))]
+    cases = [Case(*c) for c in itertools.product(mods, [False, True], [True, False], list(RECIPES))]
+    return cases + [Case("mlp-chunked", sp, bias, "delayed") for sp in (False, True) for bias in (True, False)]
+
+
+@contextlib.contextmanager
+def _mlp_chunks(case: Case):
+    """mlp-chunked: the fused MLP backward makes fc2's dgrad output 16 rows at a time (ops/mlp.py)."""
+    if case.module != "mlp-chunked":
+        yield
+        return
+    from te_parallel.ops import mlp
+
+    saved, real = mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows
+    chunks = []
+    mlp._chunk_rows = lambda h, s2: 16 if h.shape[0] > 16 and not s2.par.overlap_dgrad else None
+    mlp.GemmFP8.cast_dactivation_rows = lambda self, *a: chunks.append(1) or real(self, *a)
+    try:
+        yield
+    finally:
+        mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows = saved, real
+    assert len(chunks) > 1, f"{case}: the MLP backward did not run in row chunks ({len(chunks)})"
 
 
 def _build(case: Case, tp: int, group, device):
     kw = dict(bias=case.bias, device=device)
     tpkw = dict(tp_group=group, tp_size=tp, sequence_parallel=case.sp)
     act = "gelu" if case.bias else "swiglu"
-    if case.module == "mlp":
+    if case.module.startswith("mlp"):
         init = dict(init_method=lambda w: torch.nn.init.normal_(w, 0, 0.1))
         return (te.LayerNormMLP(H, N, activation=act, **init, **kw),
                 te.LayerNormMLP(H, N, activation=act, set_parallel_mode=True, **tpkw, **kw))
@@ -82,7 +103,7 @@ def _io_slices(case: Case, r: int, tp: int):
     last = lambda t: t.chunk(tp, -1)[r]  # noqa: E731
     if case.module == "linear-row":
         return (lambda t: last(t)), seq  # input split on features; output sequence-sharded under SP
-    if case.module == "mlp":
+    if case.module.startswith("mlp"):
         return seq, seq
     return seq, last  # column: input sequence-sharded under SP; output split on features
 
@@ -112,7 +133,8 @@ def run_case(case: Case, r: int, tp: int, group, device) -> None:
         for m, xi, gi in ((ref, x_ref, dy), (mod, x_tp, out_sl(dy))):
             with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
                 y = m(xi)
-            y.backward(gi)
+            with _mlp_chunks(case):
+                y.backward(gi)
             if m is ref:
                 y_ref = y
             else:
