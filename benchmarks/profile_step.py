@@ -63,19 +63,40 @@ def profile(kind: str, args) -> list:
             step()
         torch.cuda.synchronize()
     per_name = defaultdict(lambda: [0.0, 0])
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per_name[ev.name][0] += ev.device_time_total / 1000 / steps
             per_name[ev.name][1] += 1
+            spans.append((ev.time_range.start, ev.time_range.end))
     busy = sum(v[0] for v in per_name.values())
+    span_ms, covered_ms = _span_and_covered(spans)
     print(f"\n{kind} {args.recipe}: step {ms:.3f} ms (events), host issue {host_ms:.3f} ms/step, "
-          f"GPU kernel time {busy:.3f} ms/step, {sum(v[1] for v in per_name.values()) / steps:.0f} kernels/step")
+          f"GPU kernel time {busy:.3f} ms/step, {sum(v[1] for v in per_name.values()) / steps:.0f} kernels/step; "
+          f"the {steps} profiled steps (issued back to back) span {span_ms / steps:.3f} ms/step on the GPU, "
+          f"idle between kernels {(span_ms - covered_ms) / steps:.3f} ms/step")
     rows = []
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
         rows.append({"kernel": name[:110], "ms_per_step": t, "calls_per_step": n / steps,
                      "share": t / busy})
     report(f"{kind} {args.recipe} kernels", rows, ["ms_per_step", "calls_per_step", "share", "kernel"], None)
     return [{"kind": kind, "recipe": args.recipe, "step_ms": ms, "host_ms": host_ms, "gpu_ms": busy}] + rows
+
+
+def _span_and_covered(spans):
+    """(first start to last end, time covered by at least one kernel), ms, of (start, end) pairs in µs."""
+    if not spans:
+        return 0.0, 0.0
+    spans.sort()
+    covered, cur_start, cur_end = 0.0, *spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            covered += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    covered += cur_end - cur_start
+    return (max(e for _, e in spans) - spans[0][0]) / 1000, covered / 1000
 
 
 def host_profile(kind: str, args) -> list:
