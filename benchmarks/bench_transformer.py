@@ -70,14 +70,12 @@ def measure(name, step, rows, base=None):
 
 @contextlib.contextmanager
 def switched_off(what: str):
-    """One optimisation changed for an ablation row: "fused activation" off, "fprop accumulation" flipped
+    """One optimisation changed for an ablation row: "fused activation" off (the MLP activation in high
+    precision, each GEMM casting its input; ops/mlp.fp8_activation), "fprop accumulation" flipped
     (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM), or "mlp chunks" off (the MLP backward in one piece)."""
-    from te_parallel.module import layernorm_mlp
-    from te_parallel.ops import gemm
+    from te_parallel.ops import gemm, mlp
 
-    from te_parallel.ops import mlp
-
-    owner, name, value = {"fused activation": (layernorm_mlp, "can_fuse", lambda *args: False),
+    owner, name, value = {"fused activation": (mlp, "fp8_activation", lambda *args: False),
                           "fprop accumulation": (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM),
                           "mlp chunks": (mlp, "BWD_CHUNK_BYTES", 1 << 62)}[what]
     saved = getattr(owner, name)

@@ -3,7 +3,8 @@
     python benchmarks/memory_by_node.py
 
 Seed TransformerLayer (h 4096, ffn 16384, 32 heads, s 2048 × b 4, bf16 params), FP8 DelayedScaling,
-with the MLP's fused activation (ops/mlp.py) and without it. Each step starts with cleared gradients
+with the MLP as one Function (ops/mlp.py: FP8 activation casts, backward in row chunks) and as
+separate Functions. Each step starts with cleared gradients
 and no FP8 weight copies; the memory before it is the zero. Printed for the third step: memory
 after the forward (and the forward's peak), then per autograd node in execution order the memory
 allocated after it and the peak since the previous node (MiB).

@@ -1,10 +1,11 @@
-"""LayerNormMLP under delayed scaling runs fc1 → activation → fc2 as one Function (te_parallel/ops/mlp.py)
-whose activation kernels emit fc2's FP8 input and fc1's FP8 output gradient themselves.
+"""LayerNormMLP runs fc1 → activation → fc2 as one Function (te_parallel/ops/mlp.py): under delayed
+scaling its activation kernels emit fc2's FP8 input and fc1's FP8 output gradient themselves; under
+every recipe its backward makes fc2's dgrad output in row chunks.
 
 It must compute what the unfused path computes (LinearFunction, activation, LinearFunction), step after
 step while the amax history and the scales move: the same output, the same gradients, the same FP8
-scaling state, bit for bit. The one exception is fc1's bias gradient, summed by the activation kernel
-in another fp32 order than the gradient cast's (close, not equal, on CUDA).
+scaling state, bit for bit. The one exception is fc1's bias gradient under the FP8 activation, summed
+by the activation kernel in another fp32 order than the gradient cast's (close, not equal, on CUDA).
 """
 import copy
 
@@ -31,7 +32,7 @@ def _steps(module, x, dy, rec, fuse: bool, monkeypatch):
         seen = []
         for _ in range(STEPS):
             xi = x.clone().requires_grad_(True)
-            with te.fp8_autocast(fp8_recipe=rec):
+            with te.fp8_autocast(enabled=rec is not None, fp8_recipe=rec):  # rec None: high precision
                 out = module(xi)
             y = out[0] if isinstance(out, tuple) else out
             y.backward(dy)
@@ -47,14 +48,14 @@ def _steps(module, x, dy, rec, fuse: bool, monkeypatch):
     return seen, len(calls)
 
 
-def _assert_same(fused, unfused):
+def _assert_same(fused, unfused, exact_fc1_bias=False):
     for step, (a, b) in enumerate(zip(fused, unfused)):
         for key in ("y", "dx"):
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=lambda m: f"step {step} {key}: {m}")
         for group in ("grads", "mains", "state"):
             assert a[group].keys() == b[group].keys()
             for name in a[group]:
-                if name in ("fc1_bias",):  # another fp32 summation order (module doc)
+                if name == "fc1_bias" and not exact_fc1_bias:  # another fp32 summation order (module doc)
                     torch.testing.assert_close(a[group][name], b[group][name], msg=lambda m: f"step {step} {name}: {m}")
                 else:
                     torch.testing.assert_close(a[group][name], b[group][name], rtol=0, atol=0,
@@ -101,15 +102,36 @@ def test_frozen_fc1_and_input(device, monkeypatch):
     assert mlp.fc2_weight.grad is not None and mlp.fc1_weight.grad is None
 
 
-@pytest.mark.parametrize("rec", [recipe.Float8CurrentScaling(), recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID)],
-                         ids=["current", "hybrid"])
-def test_which_recipes_fuse(rec, device, monkeypatch):
-    """Current scaling needs the amax before the cast, so it keeps the two-pass path; delayed recipes fuse."""
+@pytest.mark.parametrize("rec", [recipe.Float8CurrentScaling(), recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID),
+                                 None], ids=["current", "hybrid", "bf16"])
+def test_which_recipes_cast_in_the_activation(rec, device, monkeypatch):
+    """Every recipe runs the one Function; only delayed scaling (scales known before the pass) has the
+    activation kernels cast to FP8; current scaling needs the amax first, so fc2 casts act(h) itself."""
     mlp = te.LayerNormMLP(64, 96, device=device)
     x = torch.randn(16, 64, device=device)
     dy = torch.randn(16, 64, device=device)
-    _, n = _steps(mlp, x, dy, rec, True, monkeypatch)
-    assert n == (STEPS if rec.delayed() else 0)
+    casts = []
+    real = mlp_ops.GemmFP8.cast_activation
+    with monkeypatch.context() as mp:
+        mp.setattr(mlp_ops.GemmFP8, "cast_activation", lambda self, *a, **k: casts.append(1) or real(self, *a, **k))
+        _, n = _steps(mlp, x, dy, rec, True, monkeypatch)
+    assert n == STEPS and len(casts) == (STEPS if rec is not None and rec.delayed() else 0)
+
+
+@pytest.mark.parametrize("rec", [recipe.Float8CurrentScaling(), None], ids=["current", "bf16"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_one_function_equals_unfused_without_fp8_activation(rec, activation, bias, device, monkeypatch):
+    """Without the FP8 activation the one Function computes exactly what the separate Functions do,
+    fc1's bias gradient included."""
+    mlp = te.LayerNormMLP(64, 96, bias=bias, activation=activation, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
+    twin = copy.deepcopy(mlp)
+    fused, n_fused = _steps(mlp, x, dy, rec, True, monkeypatch)
+    unfused, n_unfused = _steps(twin, x, dy, rec, False, monkeypatch)
+    assert (n_fused, n_unfused) == (STEPS, 0)
+    _assert_same(fused, unfused, exact_fc1_bias=True)
 
 
 def test_backward_twice_with_retain_graph(device):
@@ -129,9 +151,11 @@ def test_backward_twice_with_retain_graph(device):
         torch.testing.assert_close(b, a, rtol=0.15, atol=0.15 * a.abs().max().item())
 
 
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling(), None],
+                         ids=["delayed", "current", "bf16"])
 @pytest.mark.parametrize("chunk_rows", [16, 32], ids=["even", "ragged"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_backward_in_row_chunks_equals_unfused(chunk_rows, activation, device, monkeypatch):
+def test_backward_in_row_chunks_equals_unfused(chunk_rows, activation, rec, device, monkeypatch):
     """fc2's dgrad output made and consumed a row chunk at a time (48 tokens: 3 chunks of 16, or 32 + 16)
     gives the unfused gradients; the chunks really ran."""
     mlp = te.LayerNormMLP(64, 96, activation=activation, params_dtype=torch.bfloat16, device=device)
@@ -139,15 +163,20 @@ def test_backward_in_row_chunks_equals_unfused(chunk_rows, activation, device, m
     dy = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
     twin = copy.deepcopy(mlp)
     chunks = []
-    real = mlp_ops.GemmFP8.cast_dactivation_rows
+    fp8_act = rec is not None and rec.delayed()
     with monkeypatch.context() as mp:
         mp.setattr(mlp_ops, "BWD_CHUNK_BYTES", chunk_rows * 96 * 2)  # fc2's input is 96 wide, bf16
-        mp.setattr(mlp_ops.GemmFP8, "cast_dactivation_rows",
-                   lambda self, name, da, h, *a: chunks.append(da.shape[0]) or real(self, name, da, h, *a))
-        fused, _ = _steps(mlp, x, dy, recipe.DelayedScaling(), True, monkeypatch)
+        if fp8_act:
+            real = mlp_ops.GemmFP8.cast_dactivation_rows
+            mp.setattr(mlp_ops.GemmFP8, "cast_dactivation_rows",
+                       lambda self, name, da, h, *a: chunks.append(da.shape[0]) or real(self, name, da, h, *a))
+        else:
+            real = mlp_ops._dact_into
+            mp.setattr(mlp_ops, "_dact_into", lambda name, da, h, out: chunks.append(da.shape[0]) or real(name, da, h, out))
+        fused, _ = _steps(mlp, x, dy, rec, True, monkeypatch)
     assert chunks == STEPS * ([16, 16, 16] if chunk_rows == 16 else [32, 16])
-    unfused, _ = _steps(twin, x, dy, recipe.DelayedScaling(), False, monkeypatch)
-    _assert_same(fused, unfused)
+    unfused, _ = _steps(twin, x, dy, rec, False, monkeypatch)
+    _assert_same(fused, unfused, exact_fc1_bias=not fp8_act)
 
 
 @pytest.mark.parametrize("microbatch", [None, True], ids=["training", "microbatches"])

@@ -1,28 +1,32 @@
-"""fc1 → activation → fc2 as one autograd Function, with the activation's FP8 output fused both ways.
+"""fc1 → activation → fc2 as one autograd Function: the activation's FP8 casts fused both ways (delayed
+scaling), and the backward's largest tensor made in row chunks (every recipe).
 
-Under delayed scaling the scales of fc2's input and of fc1's output gradient are known before the
-pass, so the activation kernels can emit the FP8 operands themselves:
+FP8 activation. Under delayed scaling the scales of fc2's input and of fc1's output gradient are
+known before the pass, so the activation kernels can emit the FP8 operands themselves:
 
     forward   h = fc1(x)                        (high precision, fc1's bias in the GEMM)
               a8, a8ᵀ = fp8(act(h))             one pass over h: fc2's input and its wgrad copy
               y = fc2(a8)
     backward  da = fc2 dgrad(dy)                (high precision)
-              g8, g8ᵀ, db1 = fp8(da * act'(h))  one pass over da and h: fc1's dgrad/wgrad operands + dbias
-              dx, dW1 = fc1 backward(g8)
+              g8, db1 = fp8(da * act'(h))       one pass over da and h: fc1's dgrad operand + dbias
+              dx, dW1 = fc1 backward(g8)        (g8ᵀ for wgrad, see below)
 
 Unfused, act(h) is written in high precision and read again by fc2's cast, and so is the
 activation's gradient by fc1's gradient cast: 2 × (write + read) of [tokens, ffn] per step
 (docs/benchmarks.md, "redundant passes"), and a [tokens, ffn] high-precision tensor less in flight.
 The FP8 bytes are those of the unfused path (the kernels quantize the rounded high-precision value);
-only fc1's bias gradient may differ in its last bits (another fp32 summation order).
+only fc1's bias gradient may differ in its last bits (another fp32 summation order). Other recipes
+(current scaling needs the whole tensor's amax before its cast; bf16; calibration) run the unfused
+math inside this Function: act(h) in high precision, each GEMM casting its own operands.
 
-Backward in row chunks: fc2's dgrad output `da` is as large as h ([tokens, ffn], high precision).
-Made whole, it is live together with h and fc1's FP8 gradient, which is the step's peak of memory. So
-fc2's wgrad runs first (its operands are freed), then da is made BWD_CHUNK_BYTES of rows at a time,
-each chunk turned into FP8 gradient rows by the activation's kernel before the next chunk exists; the
-gradient's transposed copy (for fc1's wgrad) is made after h is freed, by the one-pass byte transpose.
-Same bytes as one piece where cuBLASLt multiplies a row chunk as it multiplies those rows of the whole;
-fc1's bias gradient is summed per chunk in fp32, then over the chunks.
+Backward in row chunks. fc2's dgrad output `da` is as large as h ([tokens, ffn], high precision).
+Made whole, it is live together with h and the activation's gradient, which is the step's peak of
+memory. So fc2's wgrad runs first (its operands are freed), then da is made BWD_CHUNK_BYTES of rows at
+a time, each chunk turned into the activation's gradient rows (FP8, or high precision) before the next
+exists. The FP8 gradient's transposed copy (for fc1's wgrad) is made after h is freed, by the
+one-pass byte transpose. Same bytes as one piece wherever cuBLASLt multiplies a row chunk as it
+multiplies those rows of the whole; with the FP8 activation, fc1's bias gradient is summed per chunk
+in fp32, then over the chunks.
 
 Each GEMM keeps everything LinearFunction does (TP, SP, comm-GEMM overlap, fused wgrad
 accumulation): this Function calls the same linear_fwd / linear_bwd.
@@ -33,20 +37,27 @@ from typing import Optional
 
 import torch
 
+from te_parallel.ops import activation as _act
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linear_fwd
 
-
-def can_fuse(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8], fc1_par: LinearParallel) -> bool:
-    """True when both GEMMs run in FP8 under delayed scaling (fc1's output gradient is not gathered)."""
-    return (fc1 is not None and fc2 is not None and fc1.compute and fc2.compute and fc1.delayed and fc2.delayed
-            and not fc1_par.gathers_grad and not torch.compiler.is_compiling())
-
-
-# The fused backward makes fc2's dgrad output (the activation's gradient, [tokens, ffn] in high
+# The backward makes fc2's dgrad output (the activation's gradient input, [tokens, ffn] in high
 # precision) in row chunks of about this many bytes, each consumed by the activation's backward before
 # the next exists, when there are at least two (docs/design-notes.md, "MLP backward in row chunks").
 BWD_CHUNK_BYTES = 64 << 20
+
+
+def can_fuse(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8], fc1_par: LinearParallel) -> bool:
+    """True when LayerNormMLP runs as FusedMLPFunction (everywhere but under torch.compile, which
+    traces the separate Functions)."""
+    return not torch.compiler.is_compiling()
+
+
+def fp8_activation(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8]) -> bool:
+    """True when the activation kernels cast fc2's input and fc1's output gradient themselves: both
+    GEMMs in FP8 under delayed scaling."""
+    return (fc1 is not None and fc2 is not None and fc1.compute and fc2.compute and fc1.delayed
+            and fc2.delayed)
 
 
 def _chunk_rows(h: torch.Tensor, s2) -> Optional[int]:
@@ -58,8 +69,39 @@ def _chunk_rows(h: torch.Tensor, s2) -> Optional[int]:
     return chunk if 16 <= chunk < h.shape[0] else None
 
 
+def _native(name: str, h: torch.Tensor) -> bool:
+    """The unfused path's choice (ops.activation.bias_activation): the native kernels on CUDA."""
+    if not h.is_cuda:
+        return False
+    from te_parallel.ops import native_activation
+
+    return native_activation.supports(name, h)
+
+
+def _act_forward(name: str, h: torch.Tensor) -> torch.Tensor:
+    """act(h) [M, cols] in h's dtype, as the unfused path computes it (no autograd record)."""
+    if _native(name, h):
+        from te_parallel.ops.native_activation import bias_activation_forward
+
+        return bias_activation_forward(name, h)[0]
+    return _act.apply_activation_torch(name, h)
+
+
+def _dact_into(name: str, da: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
+    """out = da * act'(h) (rows of the activation's gradient, high precision), as the unfused path."""
+    if _native(name, h):
+        from te_parallel.ops.native_activation import dbias_dactivation_backward
+
+        dbias_dactivation_backward(name, da.contiguous(), h, None, high_precision=True, dx_out=out)
+        return
+    with torch.enable_grad():
+        v = h.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(_act.apply_activation_torch(name, v), v, da)
+    out.copy_(g)
+
+
 class FusedMLPFunction(torch.autograd.Function):
-    """y = fc2(act(fc1(x))) with FP8 activation casts (see the module doc); inputs as LinearFunction's."""
+    """y = fc2(act(fc1(x))) (see the module doc); inputs as LinearFunction's."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, plan):
@@ -69,9 +111,13 @@ class FusedMLPFunction(torch.autograd.Function):
         fp8_1, fp8_2, grad = plan1[0], plan2[0], plan2[3]
         dtype = x.dtype
         h, s1 = linear_fwd(x.reshape(-1, w1.shape[1]), w1, b1, plan1, dtype)  # [M, fc1 out]
-        need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
-        a8 = fp8_2.cast_activation(name, h, transpose=need_wgrad2)  # fc2's input (+ its transpose)
-        y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
+        ctx.fp8_act = fp8_activation(fp8_1, fp8_2)
+        if ctx.fp8_act:
+            need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
+            a8 = fp8_2.cast_activation(name, h, transpose=need_wgrad2)  # fc2's input (+ its transpose)
+            y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
+        else:
+            y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype)
         ctx.s1, ctx.s2, ctx.name, ctx.fp8_1, ctx.x_shape = s1, s2, name, fp8_1, x.shape
         ctx.h = h if grad else None
         return y.reshape(-1, *x.shape[1:-1], w2.shape[0])
@@ -79,47 +125,58 @@ class FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         # Saved tensors are dropped as soon as they are used (unless the graph is kept): fc2's operands
-        # after its backward, h and fc2's dgrad output after the activation's backward.
+        # after its wgrad, h after the activation's backward.
         free = not keep_graph()
-        s1, s2 = ctx.s1, ctx.s2
+        s1, s2, name, h = ctx.s1, ctx.s2, ctx.name, ctx.h
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_w1 = need_w1 or bool(s1.targets)
         need_fc1 = need_x or need_w1 or need_b1
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(s2.act_dtype)
         need_dw2, need_db2, need_db1 = need_w2 or bool(s2.targets), s2.has_bias and need_b2, s1.has_bias and need_b1
-        chunk = _chunk_rows(ctx.h, s2) if need_fc1 else None
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(s2.act_dtype)
+        chunk = _chunk_rows(h, s2) if need_fc1 else None
+        # the activation's gradient (FP8, or high precision), fc1's dbias (FP8 activation) or its partials
+        g = db1 = parts = None
         if chunk is None:
             da, dw2, db2 = linear_bwd(s2, dy, need_fc1, need_dw2, need_db2)
-        else:  # fc2's dgrad output is made and consumed by the activation's backward a row chunk at a time
-            fp8_1, h, name = ctx.fp8_1, ctx.h, ctx.name
-            g8_bytes = torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
-            parts = h.new_empty((-(-h.shape[0] // chunk), h.shape[1]), dtype=torch.float32) if need_db1 else None
+            if need_fc1 and ctx.fp8_act:
+                g, db1 = ctx.fp8_1.cast_dactivation(name, da, h, transpose=need_w1, need_dbias=need_db1)
+            elif need_fc1:
+                g = torch.empty_like(h)
+                _dact_into(name, da, h, g)
+            del da
+        else:  # fc2's dgrad output is made and consumed a row chunk at a time
+            fp8_1 = ctx.fp8_1
+            if ctx.fp8_act:
+                g = torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
+                parts = h.new_empty((-(-h.shape[0] // chunk), h.shape[1]), dtype=torch.float32) if need_db1 else None
 
-            def dact_rows(r0, da_rows):
-                r1 = r0 + da_rows.shape[0]
-                fp8_1.cast_dactivation_rows(name, da_rows, h[r0:r1], g8_bytes[r0:r1],
-                                            None if parts is None else parts[r0 // chunk])
+                def rows(r0, da_rows):
+                    r1 = r0 + da_rows.shape[0]
+                    fp8_1.cast_dactivation_rows(name, da_rows, h[r0:r1], g[r0:r1],
+                                                None if parts is None else parts[r0 // chunk])
+            else:
+                g = torch.empty_like(h)
 
-            _, dw2, db2 = linear_bwd(s2, dy, True, need_dw2, need_db2, dx_rows=(chunk, dact_rows))
-            del h, dact_rows
-        del dy, s2
+                def rows(r0, da_rows):
+                    _dact_into(name, da_rows, h[r0 : r0 + da_rows.shape[0]], g[r0 : r0 + da_rows.shape[0]])
+
+            _, dw2, db2 = linear_bwd(s2, dy, True, need_dw2, need_db2, dx_rows=(chunk, rows))
+            rows = None
+        dy = s2 = h = None  # (h, g: cells of the chunk consumer; released by assignment)
         if free:
-            ctx.s2 = None
-        dx = dw1 = db1 = None
-        if need_fc1:
-            if chunk is None:
-                g8, db1 = ctx.fp8_1.cast_dactivation(ctx.name, da, ctx.h, transpose=need_w1, need_dbias=need_db1)
-                del da
-            if free:
-                ctx.h = None
+            ctx.s2 = ctx.h = None
+        dx = dw1 = None
+        if need_fc1 and ctx.fp8_act:
             if chunk is not None:  # h is gone: room for the transposed copy wgrad needs
-                g8 = ctx.fp8_1.dactivation_fp8(g8_bytes)
-                del g8_bytes
+                g = ctx.fp8_1.dactivation_fp8(g)
                 if need_w1:
-                    g8.transposed()
+                    g.transposed()
                 db1 = None if parts is None else parts.sum(0).to(s1.act_dtype)
-            dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g8, dbias=db1)
+            dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
+        elif need_fc1:  # fc1 casts (or not) the gradient itself, as LinearFunction's backward does
+            dx, dw1, db1 = linear_bwd(s1, g, need_x, need_w1, need_db1)
+        g = None
         if free:
-            ctx.s1 = ctx.h = None
+            ctx.s1 = None
         dx = None if dx is None else dx.reshape(ctx.x_shape)
         return dx, dw1, db1, dw2, db2, None

@@ -169,6 +169,7 @@ def dbias_dactivation_backward(
     transpose: bool = False,
     fp8_out: Optional[torch.Tensor] = None,
     dbias_out: Optional[torch.Tensor] = None,
+    dx_out: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[Float8Tensor]]:
     """Backward of bias_activation_forward at the saved x (and bias): (dx or None, dbias or None, FP8 dx or None).
 
@@ -178,7 +179,8 @@ def dbias_dactivation_backward(
     amax_out / transpose as in bias_activation_forward, of dx. One pass over dy and x, plus a small
     reduction kernel for dbias. For a backward done in row chunks: fp8_out, a contiguous [rows, cols]
     tensor of fp8_dtype (e.g. rows of a larger one) receives the FP8 bytes (then no Float8Tensor is
-    returned, and no transpose); dbias_out, a contiguous [cols] float tensor, receives dbias.
+    returned, and no transpose); dbias_out, a contiguous [cols] float tensor, receives dbias; dx_out, a
+    contiguous [rows, cols] tensor of x's dtype, receives dx (with high_precision).
     """
     where = "dbias_dactivation_backward"
     rows, cols, out_cols = _check_inputs(where, name, x, bias)
@@ -195,8 +197,12 @@ def dbias_dactivation_backward(
                                       and dbias_out.dtype in _HP_DTYPES and dbias_out.device == x.device):
         raise ValueError(f"{where}: dbias_out is {_describe(dbias_out)} with need_dbias={need_dbias}; need "
                          f"need_dbias=True and a contiguous [{cols}] float tensor on {x.device}")
+    if dx_out is not None:
+        _check_hp(where, "dx_out", dx_out, x, (rows, cols))
+        if not high_precision:
+            raise ValueError(f"{where}: dx_out was given with high_precision=False; dx_out receives the high-precision dx")
     module = _module()
-    dx = torch.empty(rows, cols, dtype=x.dtype, device=x.device) if high_precision else None
+    dx = (torch.empty(rows, cols, dtype=x.dtype, device=x.device) if dx_out is None else dx_out) if high_precision else None
     data, data_t = (fp8_out, None) if fp8_out is not None else _fp8_outputs(rows, cols, fp8_dtype, transpose,
                                                                           x.device)
     dbias = workspace = None

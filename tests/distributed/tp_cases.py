@@ -43,7 +43,7 @@ class Case:
 def all_cases():
     mods = ["linear-column", "linear-row", "lnlinear-column", "mlp"]
     cases = [Case(*c) for c in itertools.product(mods, [False, True], [True, False], list(RECIPES))]
-    return cases + [Case("mlp-chunked", sp, bias, "delayed") for sp in (False, True) for bias in (True, False)]
+    return cases + [Case("mlp-chunked", sp, bias, rec) for sp in (False, True) for bias in (True, False) for rec in RECIPES]
 
 
 @contextlib.contextmanager
@@ -54,14 +54,15 @@ def _mlp_chunks(case: Case):
         return
     from te_parallel.ops import mlp
 
-    saved, real = mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows
+    saved, real_fp8, real_hp = mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows, mlp._dact_into
     chunks = []
     mlp._chunk_rows = lambda h, s2: 16 if h.shape[0] > 16 and not s2.par.overlap_dgrad else None
-    mlp.GemmFP8.cast_dactivation_rows = lambda self, *a: chunks.append(1) or real(self, *a)
+    mlp.GemmFP8.cast_dactivation_rows = lambda self, *a: chunks.append(1) or real_fp8(self, *a)
+    mlp._dact_into = lambda *a: chunks.append(1) or real_hp(*a)
     try:
         yield
     finally:
-        mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows = saved, real
+        mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows, mlp._dact_into = saved, real_fp8, real_hp
     assert len(chunks) > 1, f"{case}: the MLP backward did not run in row chunks ({len(chunks)})"
 
 
