@@ -138,6 +138,9 @@ class FusedMLPFunction(torch.autograd.Function):
         g = db1 = parts = None
         if chunk is None:
             da, dw2, db2 = linear_bwd(s2, dy, need_fc1, need_dw2, need_db2)
+            dy = s2 = None  # fc2's saved operands (its input's FP8 transpose, Wᵀ) go before the activation's backward
+            if free:
+                ctx.s2 = None
             if need_fc1 and ctx.fp8_act:
                 g, db1 = ctx.fp8_1.cast_dactivation(name, da, h, transpose=need_w1, need_dbias=need_db1)
             elif need_fc1:
