@@ -32,6 +32,21 @@ def test_quantize_bit_exact_with_transpose_and_amax(dtype, device):
     assert q.data.float().abs().max().item() == torch.finfo(dtype).max
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_amax_of(dtype, device):
+    """max |x| in fp32: negative extremes count, inf is kept, a NaN anywhere gives NaN."""
+    from te_parallel.ops.cast import amax_of
+
+    x = (torch.randn(33, 70, device=device) * 3).to(dtype)
+    x[4, 9] = -50.0
+    got = amax_of(x)
+    assert got.dtype == torch.float32 and got.shape == () and got.item() == 50.0
+    x[1, 1] = -float("inf")
+    assert amax_of(x).item() == float("inf")
+    x[2, 3] = float("nan")
+    assert torch.isnan(amax_of(x)).item()
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_quantize_transposed_only_with_scale_snapshot(dtype, device):
     """rowwise=False writes only the transposed copy (data is a view of it); keep_scale returns a

@@ -222,7 +222,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
         dbias = dy2d.sum(0) if need_dbias else None
     if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
         all_reduce(dbias, par.group)
-    if need_dx and isinstance(s.w_saved, (Float8Tensor, WeightSource)):
+    if need_dx and dx_rows is None and isinstance(s.w_saved, (Float8Tensor, WeightSource)):
         # Wᵀ for dgrad, made once per backward and dropped with it: from the cached FP8 W, or re-encoded
         # from the high-precision weight (docs/design-notes.md, "Which cast makes which transpose")
         s.w_saved = s.w_saved.with_transpose()
@@ -300,6 +300,8 @@ def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
         dy.data_t = None  # dyᵀ was wgrad's; this backward's own tensor
     if not keep_graph():
         s.x_saved = None
+    if isinstance(s.w_saved, (Float8Tensor, WeightSource)):
+        s.w_saved = s.w_saved.with_transpose()  # Wᵀ for dgrad, made only now (see linear_bwd)
     for r0 in range(0, _rows_of(dy), chunk):
         rows = (Float8Tensor(dy.data[r0 : r0 + chunk], dy.scale_inv) if isinstance(dy, Float8Tensor)
                 else dy[r0 : r0 + chunk])

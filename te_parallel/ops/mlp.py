@@ -148,20 +148,21 @@ class FusedMLPFunction(torch.autograd.Function):
                 _dact_into(name, da, h, g)
             del da
         else:  # fc2's dgrad output is made and consumed a row chunk at a time
-            fp8_1 = ctx.fp8_1
-            if ctx.fp8_act:
-                g = torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
-                parts = h.new_empty((-(-h.shape[0] // chunk), h.shape[1]), dtype=torch.float32) if need_db1 else None
+            fp8_1, fp8_act = ctx.fp8_1, ctx.fp8_act
 
-                def rows(r0, da_rows):
-                    r1 = r0 + da_rows.shape[0]
+            def rows(r0, da_rows):
+                nonlocal g, parts
+                if g is None:  # allocated here, after fc2's wgrad has released its operands
+                    g = (torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device) if fp8_act
+                         else torch.empty_like(h))
+                    if fp8_act and need_db1:
+                        parts = h.new_empty((-(-h.shape[0] // chunk), h.shape[1]), dtype=torch.float32)
+                r1 = r0 + da_rows.shape[0]
+                if fp8_act:
                     fp8_1.cast_dactivation_rows(name, da_rows, h[r0:r1], g[r0:r1],
                                                 None if parts is None else parts[r0 // chunk])
-            else:
-                g = torch.empty_like(h)
-
-                def rows(r0, da_rows):
-                    _dact_into(name, da_rows, h[r0 : r0 + da_rows.shape[0]], g[r0 : r0 + da_rows.shape[0]])
+                else:
+                    _dact_into(name, da_rows, h[r0:r1], g[r0:r1])
 
             _, dw2, db2 = linear_bwd(s2, dy, True, need_dw2, need_db2, dx_rows=(chunk, rows))
             rows = None
