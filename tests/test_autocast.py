@@ -40,7 +40,7 @@ def test_forward_scales_update_only_at_outermost_exit(device):
         m(x * 2)  # a second call in the same region accumulates the max
     assert m.fp8_state.fwd_scale[0].item() == pytest.approx(448.0 / (x.abs().max().item() * 2))
     assert m.fp8_state.fwd_amax_history[0].abs().sum() == 0  # rolled
-    assert m.fp8_state.update_count.tolist() == [1, 0]
+    assert m.fp8_state.updates() == [1, 0]
 
 
 def test_backward_scales_update_when_backward_ends(device):
@@ -50,7 +50,7 @@ def test_backward_scales_update_when_backward_ends(device):
         y = b(a(x))
     dy = torch.randn_like(y) * 1000
     y.backward(dy)
-    assert a.fp8_state.update_count.tolist() == [1, 1] and b.fp8_state.update_count.tolist() == [1, 1]
+    assert a.fp8_state.updates() == [1, 1] and b.fp8_state.updates() == [1, 1]
     assert b.fp8_state.bwd_scale.item() == pytest.approx(57344.0 / dy.abs().max().item(), rel=1e-6)
     assert b.fp8_state.bwd_amax_history[0].item() == 0 and b.fp8_state.bwd_amax_history[1].item() == dy.abs().max().item()
 
@@ -65,7 +65,7 @@ def test_calibrating_records_amax_without_fp8(device):
     assert m.fp8_state.fwd_scale[0].item() == pytest.approx(448.0 / x.abs().max().item())
     assert m.fp8_state.fwd_scale[1].item() == pytest.approx(448.0 / m.weight.abs().max().item())
     y.sum().backward()
-    assert m.fp8_state.update_count.tolist() == [1, 1]
+    assert m.fp8_state.updates() == [1, 1]
 
 
 def test_weight_cache_policy(device, monkeypatch):

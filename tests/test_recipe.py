@@ -115,7 +115,24 @@ def test_interval_skips_scale_but_records_history():
         scales.append(state.fwd_scale[0].item())
     # updates 0 and 3 recompute the scale (max over the kept history), 1 and 2 keep it
     assert scales == [E4M3_MAX / 1.0, E4M3_MAX / 1.0, E4M3_MAX / 1.0, E4M3_MAX / 8.0]
-    assert state.update_count.tolist() == [4, 0]
+    assert state.updates() == [4, 0]
+
+
+def test_update_count_round_trips_through_state_dict():
+    """The update counts (kept on the host) are what the state dict saves and what a load restores,
+    so `interval` continues where the checkpoint left it."""
+    from te_parallel.fp8.autocast import _update_members
+
+    rec = R.DelayedScaling(interval=3)
+    state = FP8ScalingState(num_gemms=1)
+    for _ in range(5):
+        _update_members([(state, rec, None)], backward=False)
+    _update_members([(state, rec, None)], backward=True)
+    saved = state.state_dict()
+    assert saved["update_count"].tolist() == [5, 1]
+    fresh = FP8ScalingState(num_gemms=1)
+    fresh.load_state_dict(saved)
+    assert fresh.updates() == [5, 1]
 
 
 def test_history_resize_keeps_recent_rows():

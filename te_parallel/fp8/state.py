@@ -41,7 +41,9 @@ class FP8ScalingState(nn.Module):
         self.register_buffer("bwd_scale", torch.ones(n_bwd, **f32))
         self.register_buffer("bwd_scale_inv", torch.ones(n_bwd, **f32))
         self.register_buffer("update_count", torch.zeros(2, dtype=torch.int64, device=device))
-        # Host mirror of update_count, so that `interval` needs no device read per step.
+        # The counts live on the host (`interval` needs them every step) and are written into the
+        # buffer only when a state dict is taken: a device write per update was a launch at the end of
+        # every pass and, in the host profile of the seed layer, where the host waited for the GPU.
         self._count_host = [0, 0]
 
     def _apply(self, fn, recurse=True):
@@ -73,8 +75,11 @@ class FP8ScalingState(nn.Module):
         i = int(backward)
         n = self._count_host[i]
         self._count_host[i] = n + 1
-        self.update_count[i].fill_(n + 1)
         return n
+
+    def updates(self) -> list:
+        """[forward, backward] updates so far (what `update_count` holds in a state dict)."""
+        return list(self._count_host)
 
     def ensure_history_len(self, length: int) -> None:
         """Resize both histories to `length` rows, keeping the most recent rows."""
@@ -96,6 +101,11 @@ class FP8ScalingState(nn.Module):
         self._count_host = [0, 0]
 
     # checkpoints ---------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        with torch.no_grad():
+            self.update_count.copy_(torch.tensor(self._count_host, dtype=torch.int64))
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         keys = [prefix + k for k in (*_KEYS, "update_count")]
