@@ -75,6 +75,24 @@ class GemmFP8:
         return bias_activation_fp8(name, h, None, scale, self.recipe.fp8_format.fwd_dtype, amax_out=amax_out,
                                    transpose=transpose)
 
+    def cast_activation_current(self, name: str, h: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
+        """act(h) cast as this GEMM's input under current scaling, in two passes of the activation
+        kernel over h: the amax (all-reduced over amax_group, as cast_input does), then the FP8 bytes
+        with the scale it gives. The bytes of quantize_current(act(h)): both passes quantize the
+        rounded high-precision value."""
+        from te_parallel.fp8.scaling import current_scale
+        from te_parallel.ops.native_activation import bias_activation_forward
+        from te_parallel.recipe import fp8_max
+
+        dtype = self.recipe.fp8_format.fwd_dtype
+        amax = torch.zeros(1, dtype=torch.float32, device=h.device)
+        bias_activation_forward(name, h, None, high_precision=False, amax_out=amax)
+        if amax_group is not None and dist.get_world_size(amax_group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        scale = current_scale(amax.view(()), fp8_max(dtype))
+        return bias_activation_forward(name, h, None, high_precision=False, fp8_dtype=dtype, scale=scale,
+                                       transpose=transpose)[1]
+
     def cast_dactivation(self, name: str, dact: torch.Tensor, h: torch.Tensor, transpose: bool, need_dbias: bool):
         """(FP8 dy, dbias or None) of this GEMM (fc1) from the activation's backward at h, given the
         gradient `dact` of the activation's output: dy = dact * act'(h), cast as this GEMM's output

@@ -15,16 +15,20 @@ Unfused, act(h) is written in high precision and read again by fc2's cast, and s
 activation's gradient by fc1's gradient cast: 2 × (write + read) of [tokens, ffn] per step
 (docs/benchmarks.md, "redundant passes"), and a [tokens, ffn] high-precision tensor less in flight.
 The FP8 bytes are those of the unfused path (the kernels quantize the rounded high-precision value);
-only fc1's bias gradient may differ in its last bits (another fp32 summation order). Other recipes
-(current scaling needs the whole tensor's amax before its cast; bf16; calibration) run the unfused
-math inside this Function: act(h) in high precision, each GEMM casting its own operands.
+only fc1's bias gradient may differ in its last bits (another fp32 summation order). Current scaling
+needs the whole tensor's amax before its cast: forward runs the activation kernel twice over h (its
+amax, then its FP8 bytes with the scale that amax gives; act(h) is never written in high precision),
+backward makes the activation's gradient in high precision and fc1 casts it. bf16 and calibration run
+the unfused math: act(h) in high precision, each GEMM casting (or not) its own operands. Without the
+FP8 activation everything is bit-exact with the separate Functions.
 
 Backward in row chunks. fc2's dgrad output `da` is as large as h ([tokens, ffn], high precision).
 Made whole, it is live together with h and the activation's gradient, which is the step's peak of
 memory. So fc2's wgrad runs first (its operands are freed), then da is made BWD_CHUNK_BYTES of rows at
 a time, each chunk turned into the activation's gradient rows (FP8, or high precision) before the next
 exists. The FP8 gradient's transposed copy (for fc1's wgrad) is made after h is freed, by the
-one-pass byte transpose. Same bytes as one piece wherever cuBLASLt multiplies a row chunk as it
+one-pass byte transpose. A high-precision gradient is written into h itself (each element of h is
+read once, by the thread that then writes it), unless the graph is kept for another backward. Same bytes as one piece wherever cuBLASLt multiplies a row chunk as it
 multiplies those rows of the whole; with the FP8 activation, fc1's bias gradient is summed per chunk
 in fp32, then over the chunks.
 
@@ -78,6 +82,14 @@ def _native(name: str, h: torch.Tensor) -> bool:
     return native_activation.supports(name, h)
 
 
+def _two_pass_fp8(name: str, h: torch.Tensor, fc2: Optional[GemmFP8], fc2_par: LinearParallel) -> bool:
+    """fc2 casts its input under current scaling and the kernels can run: the activation is computed
+    twice, once for the amax and once straight to FP8, instead of writing act(h) in high precision and
+    reading it twice (amax, cast). Not when fc2's input is gathered (fc2 is row-parallel: it never is)."""
+    return (fc2 is not None and fc2.compute and not fc2.delayed and not fc2_par.gathers_input
+            and _native(name, h))
+
+
 def _act_forward(name: str, h: torch.Tensor) -> torch.Tensor:
     """act(h) [M, cols] in h's dtype, as the unfused path computes it (no autograd record)."""
     if _native(name, h):
@@ -116,6 +128,10 @@ class FusedMLPFunction(torch.autograd.Function):
             need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
             a8 = fp8_2.cast_activation(name, h, transpose=need_wgrad2)  # fc2's input (+ its transpose)
             y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
+        elif _two_pass_fp8(name, h, fp8_2, plan2[2]):  # current scaling: amax pass, then the FP8 pass
+            need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
+            a8 = fp8_2.cast_activation_current(name, h, transpose=need_wgrad2, amax_group=plan2[2].amax_group)
+            y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
         else:
             y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype)
         ctx.s1, ctx.s2, ctx.name, ctx.fp8_1, ctx.x_shape = s1, s2, name, fp8_1, x.shape
@@ -144,7 +160,7 @@ class FusedMLPFunction(torch.autograd.Function):
             if need_fc1 and ctx.fp8_act:
                 g, db1 = ctx.fp8_1.cast_dactivation(name, da, h, transpose=need_w1, need_dbias=need_db1)
             elif need_fc1:
-                g = torch.empty_like(h)
+                g = h if free else torch.empty_like(h)  # (in place: each element of h is read once, first)
                 _dact_into(name, da, h, g)
             del da
         else:  # fc2's dgrad output is made and consumed a row chunk at a time
@@ -153,8 +169,10 @@ class FusedMLPFunction(torch.autograd.Function):
             def rows(r0, da_rows):
                 nonlocal g, parts
                 if g is None:  # allocated here, after fc2's wgrad has released its operands
-                    g = (torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device) if fp8_act
-                         else torch.empty_like(h))
+                    if fp8_act:
+                        g = torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
+                    else:  # into h itself unless the graph is kept: h's rows are consumed chunk by chunk
+                        g = h if free else torch.empty_like(h)
                     if fp8_act and need_db1:
                         parts = h.new_empty((-(-h.shape[0] // chunk), h.shape[1]), dtype=torch.float32)
                 r1 = r0 + da_rows.shape[0]
@@ -177,7 +195,13 @@ class FusedMLPFunction(torch.autograd.Function):
                     g.transposed()
                 db1 = None if parts is None else parts.sum(0).to(s1.act_dtype)
             dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
-        elif need_fc1:  # fc1 casts (or not) the gradient itself, as LinearFunction's backward does
+        elif need_fc1 and ctx.fp8_1 is not None and ctx.fp8_1.compute:
+            # fc1's gradient cast as linear_bwd would cast it (column-parallel: never gathered), here so
+            # that the high-precision gradient is freed before fc1's GEMMs
+            db1 = g.new_empty(g.shape[1]) if need_db1 else None
+            g = ctx.fp8_1.cast_grad(g, transpose=need_w1, amax_group=s1.par.amax_group, dbias_out=db1)
+            dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
+        elif need_fc1:  # high precision (or calibration): as LinearFunction's backward
             dx, dw1, db1 = linear_bwd(s1, g, need_x, need_w1, need_db1)
         g = None
         if free:
