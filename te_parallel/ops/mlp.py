@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import activation as _act
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linear_fwd
@@ -150,8 +151,7 @@ class FusedMLPFunction(torch.autograd.Function):
         need_dw2, need_db2, need_db1 = need_w2 or bool(s2.targets), s2.has_bias and need_b2, s1.has_bias and need_b1
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(s2.act_dtype)
         chunk = _chunk_rows(h, s2) if need_fc1 else None
-        # the activation's gradient (FP8, or high precision), fc1's dbias (FP8 activation) or its partials
-        g = db1 = parts = None
+        g = db1 = None  # the activation's gradient (FP8, or high precision); fc1's dbias
         if chunk is None:
             da, dw2, db2 = linear_bwd(s2, dy, need_fc1, need_dw2, need_db2)
             dy = s2 = None  # fc2's saved operands (its input's FP8 transpose, Wᵀ) go before the activation's backward
@@ -162,49 +162,75 @@ class FusedMLPFunction(torch.autograd.Function):
             elif need_fc1:
                 g = h if free else torch.empty_like(h)  # (in place: each element of h is read once, first)
                 _dact_into(name, da, h, g)
-            del da
+            da = None
         else:  # fc2's dgrad output is made and consumed a row chunk at a time
-            fp8_1, fp8_act = ctx.fp8_1, ctx.fp8_act
-
-            def rows(r0, da_rows):
-                nonlocal g, parts
-                if g is None:  # allocated here, after fc2's wgrad has released its operands
-                    if fp8_act:
-                        g = torch.empty(h.shape, dtype=fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
-                    else:  # into h itself unless the graph is kept: h's rows are consumed chunk by chunk
-                        g = h if free else torch.empty_like(h)
-                    if fp8_act and need_db1:
-                        parts = h.new_empty((-(-h.shape[0] // chunk), h.shape[1]), dtype=torch.float32)
-                r1 = r0 + da_rows.shape[0]
-                if fp8_act:
-                    fp8_1.cast_dactivation_rows(name, da_rows, h[r0:r1], g[r0:r1],
-                                                None if parts is None else parts[r0 // chunk])
-                else:
-                    _dact_into(name, da_rows, h[r0:r1], g[r0:r1])
-
-            _, dw2, db2 = linear_bwd(s2, dy, True, need_dw2, need_db2, dx_rows=(chunk, rows))
-            rows = None
-        dy = s2 = h = None  # (h, g: cells of the chunk consumer; released by assignment)
+            grad_rows = _ActivationGradRows(ctx, chunk, need_db1, in_place=free)
+            _, dw2, db2 = linear_bwd(s2, dy, True, need_dw2, need_db2, dx_rows=(chunk, grad_rows))
+        dy = s2 = h = None
         if free:
             ctx.s2 = ctx.h = None
+        if chunk is not None:  # h is gone: room for the FP8 gradient's transposed copy
+            g, db1 = grad_rows.result(transpose=need_w1, dbias_dtype=s1.act_dtype)
+            grad_rows = None
         dx = dw1 = None
-        if need_fc1 and ctx.fp8_act:
-            if chunk is not None:  # h is gone: room for the transposed copy wgrad needs
-                g = ctx.fp8_1.dactivation_fp8(g)
-                if need_w1:
-                    g.transposed()
-                db1 = None if parts is None else parts.sum(0).to(s1.act_dtype)
-            dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
-        elif need_fc1 and ctx.fp8_1 is not None and ctx.fp8_1.compute:
-            # fc1's gradient cast as linear_bwd would cast it (column-parallel: never gathered), here so
-            # that the high-precision gradient is freed before fc1's GEMMs
-            db1 = g.new_empty(g.shape[1]) if need_db1 else None
-            g = ctx.fp8_1.cast_grad(g, transpose=need_w1, amax_group=s1.par.amax_group, dbias_out=db1)
-            dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
-        elif need_fc1:  # high precision (or calibration): as LinearFunction's backward
-            dx, dw1, db1 = linear_bwd(s1, g, need_x, need_w1, need_db1)
+        if need_fc1:
+            g, db1 = _fc1_operand(ctx, s1, g, db1, need_w1, need_db1)  # (a high-precision g is freed here)
+            if isinstance(g, Float8Tensor):
+                dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
+            else:
+                dx, dw1, db1 = linear_bwd(s1, g, need_x, need_w1, need_db1)
         g = None
         if free:
             ctx.s1 = None
         dx = None if dx is None else dx.reshape(ctx.x_shape)
         return dx, dw1, db1, dw2, db2, None
+
+
+class _ActivationGradRows:
+    """linear_bwd's dx_rows consumer: turns each row chunk of fc2's dgrad output `da` into those rows of
+    the activation's gradient da·act'(h). FP8 bytes with the FP8 activation (fc1's dbias summed per
+    chunk in fp32), else high precision, written into h itself when `in_place` (h's rows are consumed
+    chunk by chunk; not when the graph is kept). The gradient is allocated at the first chunk, after
+    fc2's wgrad has released its operands."""
+
+    def __init__(self, ctx, chunk: int, need_dbias: bool, in_place: bool):
+        self.name, self.h, self.fp8_1, self.fp8_act = ctx.name, ctx.h, ctx.fp8_1, ctx.fp8_act
+        self.chunk, self.need_dbias, self.in_place = chunk, need_dbias, in_place
+        self.g = self.parts = None
+
+    def __call__(self, r0: int, da_rows: torch.Tensor) -> None:
+        h, r1 = self.h, r0 + da_rows.shape[0]
+        if self.g is None:
+            if not self.fp8_act:
+                self.g = h if self.in_place else torch.empty_like(h)
+            else:
+                self.g = torch.empty(h.shape, dtype=self.fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
+                if self.need_dbias:
+                    self.parts = h.new_empty((-(-h.shape[0] // self.chunk), h.shape[1]), dtype=torch.float32)
+        if self.fp8_act:
+            self.fp8_1.cast_dactivation_rows(self.name, da_rows, h[r0:r1], self.g[r0:r1],
+                                             None if self.parts is None else self.parts[r0 // self.chunk])
+        else:
+            _dact_into(self.name, da_rows, h[r0:r1], self.g[r0:r1])
+
+    def result(self, transpose: bool, dbias_dtype: torch.dtype):
+        """(the whole gradient, fc1's dbias or None), releasing h: the FP8 one as a Float8Tensor with its
+        transposed copy when fc1's wgrad needs it (made now, by the byte transpose)."""
+        g, self.g, self.h = self.g, None, None
+        if not self.fp8_act:
+            return g, None
+        g = self.fp8_1.dactivation_fp8(g)
+        if transpose:
+            g.transposed()
+        return g, None if self.parts is None else self.parts.sum(0).to(dbias_dtype)
+
+
+def _fc1_operand(ctx, s1, g, db1, need_w1: bool, need_db1: bool):
+    """(fc1's output gradient as its GEMMs take it, its dbias or None). The FP8 activation's is ready.
+    Under FP8 without it, the high-precision g is cast here, as linear_bwd would cast it (fc1 is
+    column-parallel: its output gradient is never gathered), so that the caller's g is freed before
+    fc1's GEMMs. In high precision (or calibration) g goes to linear_bwd as it is."""
+    if ctx.fp8_act or ctx.fp8_1 is None or not ctx.fp8_1.compute:
+        return g, db1
+    db1 = g.new_empty(g.shape[1]) if need_db1 else None
+    return ctx.fp8_1.cast_grad(g, transpose=need_w1, amax_group=s1.par.amax_group, dbias_out=db1), db1
