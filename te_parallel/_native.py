@@ -170,6 +170,7 @@ def fused_delayed_scaling_update(
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 CAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
@@ -227,9 +228,6 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                                    0 if scale_inv_out is None else scale_inv_out.data_ptr(),
                                    0 if scale_out is None else scale_out.data_ptr(), _DTYPES[fp8_dtype], stream)
     return data, data_t
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,7 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         w2, fc2_bias, plan2 = gemm_plan(self, self._fc2, 1, ln_out, is_first_microbatch, frame, fc2_par,
                                         in_tokens=tokens)
         b2 = None if self.return_bias else fc2_bias
-        if can_fuse(plan1[0], plan2[0], fc1_par):  # one Function: FP8 activation casts, chunked backward
+        if can_fuse():  # one Function: FP8 activation casts, chunked backward
             out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, (self.activation, plan1, plan2))
         else:
             fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)

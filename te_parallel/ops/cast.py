@@ -17,7 +17,7 @@ from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.recipe import fp8_max
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = _native.FP8_DTYPES
 
 
 def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:

@@ -51,10 +51,7 @@ class GemmFP8:
         fmt = self.recipe.fp8_format
         dtype = fmt.bwd_dtype if backward else fmt.fwd_dtype
         if not self.delayed:
-            amax = None
-            if amax_group is not None and dist.get_world_size(amax_group) > 1:
-                amax = amax_of(x)
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+            amax = _reduce_amax(amax_of(x), amax_group) if _spans_ranks(amax_group) else None
             return quantize_current(x, dtype, amax=amax, transpose=transpose, dbias_out=dbias_out,
                                     keep_scale=keep_scale)
         scale, amax_out = self._delayed_scale(slot, backward)
@@ -87,9 +84,7 @@ class GemmFP8:
         dtype = self.recipe.fp8_format.fwd_dtype
         amax = torch.zeros(1, dtype=torch.float32, device=h.device)
         bias_activation_forward(name, h, None, high_precision=False, amax_out=amax)
-        if amax_group is not None and dist.get_world_size(amax_group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-        scale = current_scale(amax.view(()), fp8_max(dtype))
+        scale = current_scale(_reduce_amax(amax, amax_group).view(()), fp8_max(dtype))
         return bias_activation_forward(name, h, None, high_precision=False, fp8_dtype=dtype, scale=scale,
                                        transpose=transpose)[1]
 
@@ -164,6 +159,18 @@ class GemmFP8:
     def on_backward(self) -> None:
         if self.delayed:
             _autocast.record_backward(self.state, self.recipe, self.group)
+
+
+def _spans_ranks(group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def _reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """Current scaling of an operand of a split GEMM: the max over the group's ranks (in place), so that
+    every rank encodes with the same scale."""
+    if _spans_ranks(group):
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 class WeightSource:

@@ -222,10 +222,8 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
         dbias = dy2d.sum(0) if need_dbias else None
     if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
         all_reduce(dbias, par.group)
-    if need_dx and dx_rows is None and isinstance(s.w_saved, (Float8Tensor, WeightSource)):
-        # Wᵀ for dgrad, made once per backward and dropped with it: from the cached FP8 W, or re-encoded
-        # from the high-precision weight (docs/design-notes.md, "Which cast makes which transpose")
-        s.w_saved = s.w_saved.with_transpose()
+    if need_dx and dx_rows is None:
+        _make_weight_transpose(s)
     # (the column path re-gathers the saved local shard: only when forward kept the shard)
     if par.overlap_dgrad and (par.mode == "row" or s.regather):
         dx2d, dy, dw = _overlapped_backward(s, dy, need_dx, need_dw)
@@ -293,6 +291,13 @@ def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
     return dx2d, dw
 
 
+def _make_weight_transpose(s) -> None:
+    """Wᵀ for dgrad, made once per backward and dropped with it: from the cached FP8 W, or re-encoded
+    from the high-precision weight (docs/design-notes.md, "Which cast makes which transpose")."""
+    if isinstance(s.w_saved, (Float8Tensor, WeightSource)):
+        s.w_saved = s.w_saved.with_transpose()
+
+
 def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
     """wgrad first, so that its operands (xᵀ, dyᵀ) are freed before dx exists; then dx chunk by chunk."""
     dw = _wgrad(dy, s.x_saved, torch.float32 if s.targets else s.weight_dtype) if need_dw else None
@@ -300,8 +305,7 @@ def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
         dy.data_t = None  # dyᵀ was wgrad's; this backward's own tensor
     if not keep_graph():
         s.x_saved = None
-    if isinstance(s.w_saved, (Float8Tensor, WeightSource)):
-        s.w_saved = s.w_saved.with_transpose()  # Wᵀ for dgrad, made only now (see linear_bwd)
+    _make_weight_transpose(s)  # only now: after wgrad has released its operands
     for r0 in range(0, _rows_of(dy), chunk):
         rows = (Float8Tensor(dy.data[r0 : r0 + chunk], dy.scale_inv) if isinstance(dy, Float8Tensor)
                 else dy[r0 : r0 + chunk])

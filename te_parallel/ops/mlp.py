@@ -52,7 +52,7 @@ from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linea
 BWD_CHUNK_BYTES = 64 << 20
 
 
-def can_fuse(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8], fc1_par: LinearParallel) -> bool:
+def can_fuse() -> bool:
     """True when LayerNormMLP runs as FusedMLPFunction (everywhere but under torch.compile, which
     traces the separate Functions)."""
     return not torch.compiler.is_compiling()
@@ -102,15 +102,12 @@ def _act_forward(name: str, h: torch.Tensor) -> torch.Tensor:
 
 def _dact_into(name: str, da: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
     """out = da * act'(h) (rows of the activation's gradient, high precision), as the unfused path."""
-    if _native(name, h):
-        from te_parallel.ops.native_activation import dbias_dactivation_backward
+    from te_parallel.ops import native_activation
 
-        dbias_dactivation_backward(name, da.contiguous(), h, None, high_precision=True, dx_out=out)
-        return
-    with torch.enable_grad():
-        v = h.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(_act.apply_activation_torch(name, v), v, da)
-    out.copy_(g)
+    if _native(name, h):
+        native_activation.dbias_dactivation_backward(name, da.contiguous(), h, None, high_precision=True, dx_out=out)
+    else:
+        out.copy_(native_activation.dactivation_torch(name, da, h))
 
 
 class FusedMLPFunction(torch.autograd.Function):

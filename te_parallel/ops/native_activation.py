@@ -27,14 +27,15 @@ from te_parallel.ops import activation as _act
 
 __all__ = [
     "ACT_CODES", "supports", "bias_activation_forward", "dbias_dactivation_backward", "bias_activation_fp8",
-    "dbias_dactivation_fp8", "bias_activation_torch", "bias_activation_reference", "dbias_dactivation_reference",
+    "dbias_dactivation_fp8", "bias_activation_torch", "dactivation_torch", "bias_activation_reference",
+    "dbias_dactivation_reference",
 ]
 
 # tep_activation codes (csrc/include/te_parallel/activation.h)
 ACT_CODES = {"gelu": 0, "relu": 1, "silu": 2, "qgelu": 3, "srelu": 4,
              "geglu": 5, "reglu": 6, "swiglu": 7, "qgeglu": 8, "sreglu": 9}
 _HP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_DTYPES = _native.FP8_DTYPES
 
 
 def _module():
@@ -255,9 +256,7 @@ def dbias_dactivation_fp8(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Op
         return fp8, dbias
     from te_parallel.ops.cast import quantize
 
-    with torch.enable_grad():
-        v = x.detach().requires_grad_(True)
-        (dx,) = torch.autograd.grad(bias_activation_torch(name, v, bias), v, dy)
+    dx = dactivation_torch(name, dy, x, bias)
     dbias = None
     if need_dbias:
         dbias = dx.float().sum(0).to(dx.dtype) if dbias_out is None else dbias_out.copy_(dx.float().sum(0))
@@ -274,6 +273,16 @@ def dbias_dactivation_fp8(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Op
 def bias_activation_torch(name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The same op with PyTorch ops in x.dtype (x + bias rounded, then the activation): torch's own path."""
     return _act.apply_activation_torch(name, x if bias is None else x + bias)
+
+
+def dactivation_torch(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+    """dx of bias_activation_torch at x (and bias) for the output gradient dy, by autograd through the
+    same PyTorch ops (torch's own path)."""
+    with torch.enable_grad():
+        v = x.detach().requires_grad_(True)
+        (dx,) = torch.autograd.grad(bias_activation_torch(name, v, bias), v, dy)
+    return dx
 
 
 def bias_activation_reference(name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

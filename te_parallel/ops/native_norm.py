@@ -29,7 +29,7 @@ __all__ = ["NORM_DTYPES", "FP8NormOutput", "available", "layer_norm_fwd", "rms_n
            "rms_norm_bwd", "layer_norm", "rms_norm", "layer_norm_fp8", "rms_norm_fp8"]
 
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_DTYPES = _native.FP8_DTYPES
 _LAYERNORM, _RMSNORM = 0, 1  # tep_norm_type
 _NAMES = {_LAYERNORM: "layer_norm", _RMSNORM: "rms_norm"}
 
