@@ -1,4 +1,4 @@
-"""Comm-GEMM overlap at TP=2: AG+GEMM and GEMM+RS vs the GEMM alone, bf16 and FP8, plus a TransformerLayer.
+"""Comm-GEMM overlap at TP=2/4/8: AG+GEMM and GEMM+RS vs the GEMM alone, bf16 and FP8, plus a TransformerLayer.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_overlap.py [--json out.json] [--layer]
 
@@ -11,6 +11,9 @@ of the per-rank median (CUDA events). `--layer` adds the seed TransformerLayer (
 32 heads, s 2048 × b 4; `--layer-batch 4 8` adds b=8) at TP=2+SP in FP8, fwd+bwd with and without
 overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap).
 Times are per call of loops issued back to back (the host runs ahead, as in training).
+A last table gives NCCL's own all-gather / reduce-scatter bus bandwidth in the same run (nccl-tests'
+convention: algorithm bandwidth = bytes of the whole gathered / unreduced tensor ÷ time, bus bandwidth =
+that × (tp-1)/tp), at the issue's size and a sweep, so the overlap rows can be read against the link.
 The timeline rows prove overlap without nsys: CUDA events on the compute stream (each chunk's GEMM)
 and on the copy stream (each pull), relative to the start of the op on rank 0.
 """
@@ -179,6 +182,22 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
     return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
 
 
+def nccl_rows(group, tp: int, sizes_mib) -> list:
+    """NCCL all-gather and reduce-scatter (bf16, dim 0) of `sizes_mib` MiB whole tensors: time and bus bandwidth."""
+    rows = []
+    for mib in sizes_mib:
+        numel = mib * 2 ** 20 // 2 // tp * tp
+        full = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+        part = full[: numel // tp].clone()
+        for name, fn in (("all-gather", lambda: dist.all_gather_into_tensor(full, part, group=group)),
+                         ("reduce-scatter", lambda: dist.reduce_scatter_tensor(part, full, group=group))):
+            ms = _timed(fn, iters=20)
+            algbw = numel * 2 / (ms * 1e-3) / 1e9
+            rows.append({"collective": name, "MiB": mib, "ms": ms, "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * (tp - 1) / tp})
+    return rows
+
+
 def seed_layer_step(group, tp: int, batch: int, extra: dict):
     """(layer, step): the seed TransformerLayer at TP=tp + SP (`extra`: its overlap arguments) and one
     FP8 fwd+bwd of it on s 2048 × b `batch` tokens (gradients accumulate across steps)."""
@@ -239,6 +258,8 @@ def main() -> None:
                 spans = timeline()
             timelines.append((label, spans))
     layer = [r for b in args.layer_batch for r in layer_rows(ub, group, rank, tp, b)] if args.layer else []
+    issue_mib = tp * args.m * args.k * 2 // 2 ** 20  # the AG rows' gathered bf16 input
+    nccl = nccl_rows(group, tp, sorted({8, 64, issue_mib, 512}))
     if rank == 0:
         title = (f"TP={tp} comm-GEMM overlap ({ub.transport_name}), per-rank {args.m}x{args.k}, shard "
                  f"{args.n}x{args.k} (max over ranks of median ms; x = / GEMM alone)")
@@ -249,8 +270,11 @@ def main() -> None:
             for name, a, b in spans:
                 print(f"  {name:<40} {a:8.3f} .. {b:8.3f}")
         if layer:
-            report("TransformerLayer (seed config) TP=2+SP FP8", layer, ["case", "ms", "speedup", "synced_ms", "host_ms"],
+            report(f"TransformerLayer (seed config) TP={tp}+SP FP8", layer, ["case", "ms", "speedup", "synced_ms", "host_ms"],
                    args.json.replace(".json", "_layer.json") if args.json else None)
+        report(f"NCCL bus bandwidth, TP={tp} (bf16; {issue_mib} MiB is the AG rows' gathered input)", nccl,
+               ["collective", "MiB", "ms", "algbw_GBps", "busbw_GBps"],
+               args.json.replace(".json", "_nccl.json") if args.json else None)
         if args.json:
             import json
             with open(args.json.replace(".json", "_timeline.json"), "w") as f:

@@ -146,7 +146,10 @@ class Linear(FP8Module, TensorParallelMixin):
             bias = all_reduce_grad(bias, par.group)
         return out, None if bias is None else bias.to(dtype)
 
-    def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor, ub: Optional[UbSettings] = None) -> LinearParallel:
+    def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor, ub: Optional[UbSettings] = None,
+                         scatter_rows: Optional[int] = None) -> LinearParallel:
+        """scatter_rows: the rows a row-parallel GEMM's output will have before its reduce-scatter under SP
+        (default: inp's dim 0; a LayerNormMLP's fc2 gets the gathered sequence, tp × its local input)."""
         self._check_tp_ready(inp.device)
         fp8_gather = getattr(self, "fp8_all_gather", True)
         if ub is None:
@@ -155,7 +158,7 @@ class Linear(FP8Module, TensorParallelMixin):
             ub.comm.check_group(type(self).__name__, self.tp_group)
             par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop, ub.dgrad)
         if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
-            check_scatter_dim(type(self).__name__, inp.shape[0], self.tp_size)
+            check_scatter_dim(type(self).__name__, inp.shape[0] if scatter_rows is None else scatter_rows, self.tp_size)
         return par
 
     def extra_repr(self) -> str:

@@ -26,7 +26,30 @@ def use_cuda(world: int) -> bool:
     return os.environ.get("TE_PARALLEL_TEST_DEVICE") != "cpu" and torch.cuda.device_count() >= world
 
 
+def worlds(*sizes: int) -> list:
+    """pytest params for the TP sizes of a suite. A size runs on NCCL when there is a GPU per rank, else
+    on CPU/gloo; except that TP=8 on the CPU (8 processes on CI's 2 cores) is left to a machine with 8
+    GPUs, and a size that has too few GPUs on a multi-GPU machine is skipped (that machine tests NCCL,
+    and the CPU suite has already run it on gloo)."""
+    import pytest
+
+    gpus = 0 if os.environ.get("TE_PARALLEL_TEST_DEVICE") == "cpu" else torch.cuda.device_count()
+    params = []
+    for n in sizes:
+        why = None
+        if 2 <= gpus < n:
+            why = f"TP={n} needs {n} GPUs for NCCL; this machine has {gpus}"
+        elif gpus < 2 and n > 4 and not os.environ.get("TE_PARALLEL_TEST_BIG_CPU"):
+            why = f"TP={n} on CPU/gloo is left out of CI (set TE_PARALLEL_TEST_BIG_CPU=1); it runs on {n} GPUs"
+        params.append(pytest.param(n, id=f"tp{n}", marks=[pytest.mark.skip(reason=why)] if why else []))
+    return params
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    import faulthandler
+
+    # a hung collective fails the test with every thread's stack instead of hanging it
+    faulthandler.dump_traceback_later(int(os.environ.get("TE_PARALLEL_TEST_HANG_S", "600")), exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     from te_parallel import recipe
     recipe.DEFAULT_MIN_FP8_GEMM = 0  # the tests' small GEMMs must run in FP8 on CUDA too
@@ -48,19 +71,41 @@ def spawn(fn: Callable, world: int, *args) -> None:
     mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
+def agree(group, device: torch.device, local_checks: Callable[[], None]) -> None:
+    """Run a rank's local assertions, then raise on every rank if any rank failed, so that no rank goes
+    on to the next step's collectives while another has left the case."""
+    failure = None
+    try:
+        local_checks()
+    except AssertionError as e:
+        failure = e
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if flag.item():
+        raise AssertionError("a check failed on another rank (its message is in that rank's report)")
+
+
 class Checks:
-    """Collects failures of named checks so one launch reports all of them."""
+    """Collects failures of named checks so one launch reports all of them. A check must reach all of its
+    collectives on every rank before it asserts anything local, or one rank's failure hangs the others.
+    TE_PARALLEL_TEST_TRACE=1 prints each check's name and failure as it happens."""
 
     def __init__(self, rank: int) -> None:
         self.rank, self.failures, self.count = rank, [], 0
 
     def run(self, name: str, fn: Callable, *args) -> None:
         self.count += 1
+        if os.environ.get("TE_PARALLEL_TEST_TRACE"):
+            print(f"[rank {self.rank}] check: {name}", flush=True)
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - report every failing case, not just the first
             detail = str(e) if isinstance(e, AssertionError) else traceback.format_exc(limit=-3)
             self.failures.append(f"[rank {self.rank}] {name}: {detail}")
+            if os.environ.get("TE_PARALLEL_TEST_TRACE"):
+                print(self.failures[-1], flush=True)
 
     def raise_if_failed(self) -> None:
         if self.failures:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import te_parallel as te
 from te_parallel import recipe as R
-from tests.distributed.harness import Checks, spawn, use_cuda
+from tests.distributed.harness import Checks, spawn, worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,9 +44,11 @@ def _compare(name, got, want, exact_out, exact_dx, tol):
     def check(what, a, b, exact):
         if exact:
             assert torch.equal(a, b), f"{name}: {what} differs (max {(a.float() - b.float()).abs().max().item():.3g})"
-        else:
-            assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), \
-                f"{name}: {what} max diff {(a.float() - b.float()).abs().max().item():.3g} > {tol}"
+        else:  # against the tensor's largest element: NCCL's ring reduce-scatter rounds its running bf16 sum
+            # at each of tp-1 hops, so where partials cancel an element's error is relative to the partials,
+            # not to the element (seen at TP=4: 0.25 on an element of ~5); a wrong chunk errs by O(max)
+            err, top = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
+            assert err <= tol * max(top, 1.0), f"{name}: {what} max diff {err:.3g} > {tol} x max |ref| {top:.3g}"
 
     check("output", y, y0, exact_out)
     check("dx", dx, dx0, exact_dx)
@@ -89,10 +91,10 @@ def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64
         assert torch.equal(ovl.fp8_state.fwd_scale, ref.fp8_state.fwd_scale), name
 
 
-def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidden=64):
+def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidden=128):
     dtype = _dtype(device)
     torch.manual_seed(3)
-    kw = dict(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=4, hidden_dropout=0.0,
+    kw = dict(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=8, hidden_dropout=0.0,
               attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
               params_dtype=dtype, device=device)
     ref = te.TransformerLayer(**kw)
@@ -211,10 +213,8 @@ def _too_small(rank, world, group, device, ub):
         ub.all_gather(x, None)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", worlds(2, 4, 8))
 def test_overlap_matches_plain_path(world):
-    if world > 2 and use_cuda(2):
-        pytest.skip("TP=4 runs on CPU/gloo; a 4-GPU run is issue 8's")
     spawn(_suite, world)
 
 

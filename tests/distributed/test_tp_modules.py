@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import te_parallel as te
 from te_parallel import recipe as R
-from tests.distributed.harness import Checks, spawn
+from tests.distributed.harness import Checks, spawn, worlds
 from tests.distributed.tp_cases import all_cases, run_case
 from tests.distributed.tp_transformer_cases import run_transformer_case
 
@@ -22,12 +22,13 @@ def _suite(rank, world, device):
     checks.run("standalone norms under SP + gathered ln_out", _norms_sp, rank, world, group, device)
     checks.run("bad input", _bad_input, rank, world, group, device)
     checks.run("FP8 gather == high-precision gather then cast", _gather_paths_agree, rank, world, group, device)
+    checks.run("LayerNormMLP SP with one local row", _mlp_short_local_sequence, rank, world, group, device)
     checks.raise_if_failed()
 
 
 def _outlier(rank, world, group, device):
     """Delayed scaling: an outlier on rank 1's sequence shard sets every rank's scale."""
-    m = te.Linear(32, 64, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device)
+    m = te.Linear(32, 16 * world, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device)
     x = torch.randn(16 // world, 4, 32, device=device)
     if rank == 1:
         x[0, 0, 0] = 1000.0
@@ -57,12 +58,22 @@ def _norms_sp(rank, world, group, device):
     assert ln_out.shape == x.shape and out.shape == (x.shape[0], 2, 64 // world)
 
 
+def _mlp_short_local_sequence(rank, world, group, device):
+    """LayerNormMLP under SP reduce-scatters the gathered sequence (world × local rows), so one local row
+    is a valid input at any tp_size (the check once looked at the local rows)."""
+    m = te.LayerNormMLP(32, 16 * world, set_parallel_mode=True, sequence_parallel=True, tp_group=group, device=device)
+    x = torch.randn(1, 2, 32, device=device, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+
+
 def _gather_paths_agree(rank, world, group, device):
     """Casting then gathering FP8 bytes gives the same bytes as gathering then casting (shared scale)."""
     outs = []
     for fp8_gather in (True, False):
         torch.manual_seed(5)
-        m = te.Linear(32, 64, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device)
+        m = te.Linear(32, 16 * world, parallel_mode="column", sequence_parallel=True, tp_group=group, device=device)
         m.fp8_all_gather = fp8_gather
         x = torch.randn(16 // world, 4, 32, device=device, requires_grad=True)
         for recipe in (R.DelayedScaling(), R.Float8CurrentScaling()):
@@ -99,6 +110,6 @@ def _bad_input(rank, world, group, device):
                lambda: check_group_device("Linear", group, torch.device("cuda")))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", worlds(2, 4, 8))
 def test_tensor_parallel_suite(world):
     spawn(_suite, world)

@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 import te_parallel as te
 from te_parallel import recipe as R
+from tests.distributed.harness import agree
 from tests.reference import rel_err
 
-S, B, H, N = 16, 4, 32, 64  # sequence, batch, hidden (in), out / ffn
+S, B, H, N = 16, 4, 32, 128  # sequence, batch, hidden (in), out / ffn (TP=8 shards: 16, FP8's minimum)
 RECIPES = {"off": None, "delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}
 
 
@@ -140,13 +141,16 @@ def run_case(case: Case, r: int, tp: int, group, device) -> None:
                 y_ref = y
             else:
                 y_tp = y
-        _compare(case, "output", y_tp, out_sl(y_ref), t, exact=_exact_out(case))
-        _compare(case, "input grad", x_tp.grad, in_sl(x_ref.grad), t, exact=False)
-        for name, p in mod.named_parameters():
-            full = dict(ref.named_parameters())[name].grad
-            _compare(case, f"grad {name}", p.grad, _shard(name, full, case, r, tp), t, exact=False)
-        if recipe is not None:
+        if recipe is not None:  # the collective first: a failed comparison on one rank must not hang the rest
             _state_identical_on_all_ranks(mod, group)
+
+        def local_checks():
+            _compare(case, "output", y_tp, out_sl(y_ref), t, exact=_exact_out(case))
+            _compare(case, "input grad", x_tp.grad, in_sl(x_ref.grad), t, exact=False)
+            for name, p in mod.named_parameters():
+                full = dict(ref.named_parameters())[name].grad
+                _compare(case, f"grad {name}", p.grad, _shard(name, full, case, r, tp), t, exact=False)
+        agree(group, device, local_checks)
         with torch.no_grad():  # "optimizer step" on both: recasts weights with the new scales
             for m in (ref, mod):
                 for p in m.parameters():
