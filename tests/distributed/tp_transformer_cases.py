@@ -37,8 +37,13 @@ def _fp64_values(exact, ref, x, dy, seq, r: int, tp: int) -> dict:
 
 
 def _check_all(checks, fp64: dict, tol: float, step: int) -> None:
-    """TP vs the one-process FP8 layer within `tol`; or, where FP8 code flips make them differ by more, TP
-    no further from the fp64 layer than the FP8 reference is (a TP fault is far worse than that)."""
+    """TP vs the one-process FP8 layer within `tol`; or (CUDA) where FP8 code flips make them differ by more,
+    TP no further from the fp64 layer than 1.25x the FP8 reference is. On CUDA the row-parallel partial sums
+    add in another order than the reference's one GEMM, each changed sum can move an E5M2 gradient code by
+    a whole step (12-25%), and a TP=4 rank's shard of a 128-wide layer is too small for that to average
+    out: a query-weight gradient differed by 3.8e-2 (H200, TP=4), where the FP8 reference itself is ~1e-1
+    from fp64. This is looser than the CPU's check: one rank's query-weight gradient scaled by 1.1 failed it
+    (1.36e-1 from fp64 against a bound of 1.27e-1, the fallback forced on the CPU), by 1.03 passed it."""
     for what, got, want in checks:
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
         if what.endswith("key_bias"):  # zero in exact arithmetic (softmax ignores a per-query shift): rounding only
@@ -67,7 +72,9 @@ def run_transformer_case(sp: bool, recipe_name: str, r: int, tp: int, group, dev
     seq = (lambda t: t.chunk(tp, 0)[r]) if sp else (lambda t: t)
     tol = 1e-5 if recipe is None else fp8_layer_tol(device)
     exact = None
-    if recipe is not None:  # the unquantized layer in fp64 on the CPU: how far FP8 alone takes the reference
+    if recipe is not None and torch.device(device).type == "cuda":
+        # the unquantized layer in fp64 on the CPU: how far FP8 alone takes the reference (the CPU keeps the
+        # strict tolerance: its FP8 emulation sums in one order on every path, so a 3% fault still fails there)
         exact = te.TransformerLayer(HID, FFN, HEADS, params_dtype=torch.float64, **{**kw, "device": "cpu"})
     for step in range(2):
         g = torch.Generator().manual_seed(10 + step)
