@@ -22,7 +22,7 @@ CUDA_DEVICE_MAX_CONNECTIONS=1 so the collective's kernel is scheduled before the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -57,10 +57,11 @@ class LinearParallel:
     ub: Optional[object] = None
     ub_fprop: bool = False  # column: AG+GEMM ring; row: GEMM+RS by destination chunk
     ub_dgrad: bool = False  # row: AG(dy)+dgrad ring; column: AG(x) under dgrad, RS(dx) under wgrad
+    # whether the layer is split at all, decided once: the properties below are read several times per GEMM
+    active: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def active(self) -> bool:
-        return self.mode is not None and group_size(self.group) > 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "active", self.mode is not None and group_size(self.group) > 1)
 
     @property
     def amax_group(self):
