@@ -75,8 +75,8 @@ def fp8_mm(
     result = torch._scaled_mm(
         a,
         b,
-        scale_a=a_scale_inv.reshape(()).to(torch.float32),
-        scale_b=b_scale_inv.reshape(()).to(torch.float32),
+        scale_a=_scalar_f32(a_scale_inv),
+        scale_b=_scalar_f32(b_scale_inv),
         bias=bias if fuse_bias else None,
         out_dtype=out_dtype,
         use_fast_accum=fast_accum,
@@ -85,6 +85,11 @@ def fp8_mm(
     if bias is not None and not fuse_bias:
         result = result.add_(bias.to(out_dtype)) if out is not None else result + bias.to(out_dtype)
     return result
+
+
+def _scalar_f32(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 tensor as _scaled_mm takes its scales (the casts already make them so: no new view)."""
+    return t if t.dim() == 0 and t.dtype == torch.float32 else t.reshape(()).to(torch.float32)
 
 
 def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
