@@ -28,19 +28,15 @@ def use_cuda(world: int) -> bool:
 
 def worlds(*sizes: int) -> list:
     """pytest params for the TP sizes of a suite. A size runs on NCCL when there is a GPU per rank, else
-    on CPU/gloo; except that TP=8 on the CPU (8 processes on CI's 2 cores) is left to a machine with 8
-    GPUs, and a size that has too few GPUs on a multi-GPU machine is skipped (that machine tests NCCL,
-    and the CPU suite has already run it on gloo)."""
+    on CPU/gloo (TP=8 there takes ~100 s of CI's 2 cores for both suites, and caught a shard-size bug);
+    on a multi-GPU machine with too few GPUs for a size it is skipped: that machine is there to test
+    NCCL, and the CPU suite runs the size on gloo."""
     import pytest
 
     gpus = 0 if os.environ.get("TE_PARALLEL_TEST_DEVICE") == "cpu" else torch.cuda.device_count()
     params = []
     for n in sizes:
-        why = None
-        if 2 <= gpus < n:
-            why = f"TP={n} needs {n} GPUs for NCCL; this machine has {gpus}"
-        elif gpus < 2 and n > 4 and not os.environ.get("TE_PARALLEL_TEST_BIG_CPU"):
-            why = f"TP={n} on CPU/gloo is left out of CI (set TE_PARALLEL_TEST_BIG_CPU=1); it runs on {n} GPUs"
+        why = f"TP={n} needs {n} GPUs for NCCL; this machine has {gpus}" if 2 <= gpus < n else None
         params.append(pytest.param(n, id=f"tp{n}", marks=[pytest.mark.skip(reason=why)] if why else []))
     return params
 
