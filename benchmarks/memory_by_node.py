@@ -9,11 +9,16 @@ and no FP8 weight copies; the memory before it is the zero. Printed for the thir
 after the forward (and the forward's peak), then per autograd node in execution order the memory
 allocated after it and the peak since the previous node (MiB).
 """
+import os
+import sys
+
 import torch
 
-import te_parallel as te
-from te_parallel import recipe
-from te_parallel.module import layernorm_mlp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import te_parallel as te  # noqa: E402
+from common import training_step  # noqa: E402
+from te_parallel import recipe  # noqa: E402
+from te_parallel.module import layernorm_mlp  # noqa: E402
 
 RECIPES = {"delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
            "current": recipe.Float8CurrentScaling(), "bf16": None}
@@ -28,13 +33,10 @@ def run(fuse, name="delayed"):
     x = torch.randn(2048, 4, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     rec = RECIPES[name]
+    step = training_step(layer, x, dy, rec)
     for it in range(3):
-        for p in layer.parameters():
-            p.grad = None
-        x.grad = None
-        for m in layer.modules():
-            if hasattr(m, "drop_fp8_weight_cache"):
-                m.drop_fp8_weight_cache()
+        step.clear_grads()
+        step.drop_fp8_weights()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

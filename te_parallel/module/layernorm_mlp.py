@@ -96,11 +96,12 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         dtype = activation_dtype(self.param_dtype, inp.device)
         frame = self._fp8_frame()
         fc1_par = self._linear_parallel("column" if self.set_parallel_mode else None, inp, self.ub_fc1)
+        gathered = self.tp_size if fc1_par.gathers_input else 1  # fc1's input rows -> fc2's rows (SP gather)
         fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp, self.ub_fc2,
-                                        scatter_rows=inp.shape[0] * (self.tp_size if fc1_par.gathers_input else 1))
+                                        scatter_rows=inp.shape[0] * gathered)
         ln_out = norm_forward(self, inp.to(dtype))
         w1, b1, plan1 = gemm_plan(self, self._fc1, 0, ln_out, is_first_microbatch, frame, fc1_par)
-        tokens = ln_out.numel() // self.hidden_size * (self.tp_size if fc1_par.gathers_input else 1)
+        tokens = ln_out.numel() // self.hidden_size * gathered
         w2, fc2_bias, plan2 = gemm_plan(self, self._fc2, 1, ln_out, is_first_microbatch, frame, fc2_par,
                                         in_tokens=tokens)
         b2 = None if self.return_bias else fc2_bias

@@ -16,6 +16,7 @@ from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops.cast import amax_of, quantize, quantize_current
 from te_parallel.recipe import Recipe
+from te_parallel.parallel.groups import group_size
 
 
 @dataclass
@@ -162,7 +163,7 @@ class GemmFP8:
 
 
 def _spans_ranks(group) -> bool:
-    return group is not None and dist.get_world_size(group) > 1
+    return group_size(group) > 1
 
 
 def _reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 import te_parallel as te
-from te_parallel import recipe as R
 from tests.distributed.harness import agree
-from tests.distributed.tp_cases import _state_identical_on_all_ranks
+from tests.distributed.tp_cases import RECIPES, _state_identical_on_all_ranks
 from tests.reference import fp8_layer_tol, rel_err
 
 S, B, HID, FFN, HEADS = 16, 2, 128, 256, 8  # TP=8: one head (16 wide) per rank, FP8 shards of 16
@@ -60,7 +59,7 @@ def _check_all(checks, fp64: dict, tol: float, step: int) -> None:
 
 
 def run_transformer_case(sp: bool, recipe_name: str, r: int, tp: int, group, device) -> None:
-    recipe = {"off": None, "delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}[recipe_name]
+    recipe = RECIPES[recipe_name]
     kw = dict(hidden_dropout=0.0, attention_dropout=0.0, device=device, init_method=lambda w: torch.nn.init.normal_(w, 0, 0.05))
     torch.manual_seed(3)
     ref = te.TransformerLayer(HID, FFN, HEADS, **kw)
