@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
 from common import report  # noqa: E402
-from te_parallel import recipe  # noqa: E402
+from te_parallel import _native, recipe  # noqa: E402
+from te_parallel.ops import gemm  # noqa: E402
 
 
 def host_us(call, calls: int, region=contextlib.nullcontext, repeats: int = 7) -> float:
@@ -82,6 +83,11 @@ def main() -> None:
                      ("te bf16", host_us(te_call, a.calls)),
                      ("te FP8 delayed", host_us(te_call, a.calls, fp8_region(delayed))),
                      ("te FP8 current", host_us(te_call, a.calls, fp8_region(current)))]
+            if _native.fp8_gemm_usable():  # the same, with te_parallel's cuBLASLt call for the GEMM
+                gemm.NATIVE_GEMM = True
+                cases += [("te FP8 delayed, native GEMM", host_us(te_call, a.calls, fp8_region(delayed))),
+                          ("te FP8 current, native GEMM", host_us(te_call, a.calls, fp8_region(current)))]
+                gemm.NATIVE_GEMM = False
         for name, us in cases:
             rows.append({"forward": "training" if grad else "no_grad", "case": name, "host_us": us,
                          "vs_torch": us / base})

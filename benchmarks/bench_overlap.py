@@ -148,11 +148,11 @@ def rs_cases(ub, group, rank, tp, m, k, n, use_fp8):
         reduce_scatter_dim0(out, group)
 
     def overlapped():
-        ov.gemm_rs(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16)
+        ov.gemm_rs(ub, xq, lambda a, o, c=None: ov.fprop_into(a, wq, None, o, c), n, torch.bfloat16)
 
     ov.fprop_into(xq, wq, None, out)
     ref = reduce_scatter_dim0(out, group)[0]
-    y = ov.gemm_rs(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16)
+    y = ov.gemm_rs(ub, xq, lambda a, o, c=None: ov.fprop_into(a, wq, None, o, c), n, torch.bfloat16)
     err = (y.float() - ref.float()).abs().max().item()
     assert err <= 2 ** -6 * ref.float().abs().max().item(), f"overlapped GEMM+RS differs by {err}"
     return gemm_alone, sequential, overlapped, lambda: _rs_timeline(ub, xq, wq, n, rank, tp)
@@ -166,15 +166,31 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
     t0 = _ev(cur)
     rows = ov._bytes(xq).shape[0]
     m = rows // tp
-    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda")
+    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda", pieces=ov.rs_pieces(tp, m))
     spans = []
-    for k in range(1, tp + 1):
-        d = (rank + k) % tp
-        s = _ev(cur)
-        ov.fprop_into(ov._rows(xq, d * m, (d + 1) * m), wq, None, rs.slot(d))
-        spans.append((f"GEMM partial for rank {d}", s, _ev(cur)))
-        rs.ready(d)
-    rs.finish(torch.bfloat16)
+    if len(rs.pieces) > 1:  # gemm_rs's TP=2 schedule: pieces, and the own GEMM adds the received ones
+        peer = 1 - rank
+        for j, (a, b) in enumerate(rs.pieces):
+            s = _ev(cur)
+            ov.fprop_into(ov._rows(xq, peer * m + a, peer * m + b), wq, None, rs.slot(peer)[a:b])
+            spans.append((f"GEMM partial for rank {peer}, rows {a}:{b}", s, _ev(cur)))
+            rs.ready(peer, j)
+            rs.pull_step(1, j)
+        out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        for j, (a, b) in enumerate(rs.pieces):
+            acc = rs.received(peer, j)
+            s = _ev(cur)
+            ov.fprop_into(ov._rows(xq, rank * m + a, rank * m + b), wq, None, out[a:b], acc)
+            spans.append((f"GEMM own rows {a}:{b} + received piece", s, _ev(cur)))
+        rs.finish_accumulated(out)
+    else:
+        for k in range(1, tp + 1):
+            d = (rank + k) % tp
+            s = _ev(cur)
+            ov.fprop_into(ov._rows(xq, d * m, (d + 1) * m), wq, None, rs.slot(d))
+            spans.append((f"GEMM partial for rank {d}", s, _ev(cur)))
+            rs.ready(d)
+        rs.finish(torch.bfloat16)
     for i, (a, b) in enumerate(rs.pulls):
         spans.append((f"pull partial {i} (copy engine)", a, b))
     torch.cuda.synchronize()
@@ -254,6 +270,16 @@ def main() -> None:
                          "sequential_x": t_seq / t_alone, "overlap_x": t_ovl / t_alone,
                          "overlap_synced_ms": _synced(ovl), "seq_synced_ms": _synced(seq),
                          "overlap_host_us": _host_us(ovl), "seq_host_us": _host_us(seq)})
+            if kind == "GEMM+RS" and tp == 2:  # the pieced schedule against other piece counts / none
+                for pieces in (1, 2, 8):
+                    saved = ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS
+                    ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS = pieces, (1 << 30 if pieces == 1 else 16)
+                    try:
+                        rows.append({"case": f"{label}, {pieces} piece(s)" + (" (fp32 sum pass)" if pieces == 1 else ""),
+                                     "gemm_alone_ms": t_alone, "overlap_ms": (t := _timed(ovl)),
+                                     "overlap_x": t / t_alone, "overlap_host_us": _host_us(ovl)})
+                    finally:
+                        ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS = saved
             for _ in range(3):  # the last of three (warm clocks and caches)
                 spans = timeline()
             timelines.append((label, spans))

@@ -20,7 +20,7 @@ from typing import NoReturn, Sequence, Tuple
 import torch
 
 __all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update", "cast_transpose_amax",
-           "transpose_fp8"]
+           "transpose_fp8", "fp8_gemm", "fp8_gemm_usable"]
 
 _ALGOS = {"max": 0, "most_recent": 1}
 
@@ -242,4 +242,59 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     guard, stream = launch_on(data.device)
     with guard:
         module.transpose_fp8(data.data_ptr(), rows, cols, out.data_ptr(), stream)
+    return out
+
+
+# cuBLASLt workspace of the native FP8 GEMM, one per (device, stream): two GEMMs in flight on
+# different streams must not share one. 32 MiB is what cuBLASLt's Hopper kernels may ask for.
+GEMM_WORKSPACE_BYTES = 32 * 1024 * 1024
+_gemm_workspaces: dict = {}
+_gemm_usable: dict = {}
+
+
+def fp8_gemm_usable() -> bool:
+    """True if the native FP8 GEMM can run here: the extension is built and cuBLASLt opens (asked once)."""
+    usable = _gemm_usable.get("usable")
+    if usable is None:
+        module = load()
+        usable = module is not None and hasattr(module, "fp8_gemm") and torch.cuda.is_available() \
+            and bool(module.fp8_gemm_available())
+        _gemm_usable["usable"] = usable
+    return usable
+
+
+def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+             out: torch.Tensor, accumulate: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             fast_accum: bool = False) -> torch.Tensor:
+    """out[m, n] = a_scale_inv·b_scale_inv · a[m, k]·b[n, k]ᵀ (+ bias[n]) (+ accumulate[m, n]), in one
+    cuBLASLt call (csrc/gemm). a, b: contiguous FP8 CUDA; out, accumulate: contiguous, out's dtype;
+    scales: fp32 CUDA scalars. The caller (te_parallel.ops.gemm) has checked the shapes' GEMM rules."""
+    module = load()
+    m, k = a.shape
+    n = b.shape[0]
+    f32 = torch.float32
+    ok = (a.is_cuda and a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES and a.is_contiguous() and b.is_contiguous()
+          and b.dim() == 2 and b.shape[1] == k and out.shape == (m, n) and out.is_contiguous()
+          and out.dtype in CAST_INPUT_DTYPES and a_scale_inv.dtype is f32 and b_scale_inv.dtype is f32
+          and a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1
+          and (accumulate is None or (accumulate.shape == out.shape and accumulate.dtype == out.dtype
+                                      and accumulate.is_contiguous()))
+          and (bias is None or (bias.shape == (n,) and bias.dtype == out.dtype and bias.is_contiguous())))
+    if not ok:
+        raise ValueError(f"fp8_gemm: got a {_describe(a)}, b {_describe(b)}, out {_describe(out)}, accumulate "
+                         f"{_describe(accumulate) if accumulate is not None else None}, bias "
+                         f"{_describe(bias) if bias is not None else None}; need FP8 a [m, k], b [n, k], out and "
+                         f"accumulate [m, n] of one dtype, bias [n] of that dtype, all contiguous on one GPU")
+    device = a.device
+    guard, stream = launch_on(device)
+    key = (device.index, stream)
+    workspace = _gemm_workspaces.get(key)
+    if workspace is None:
+        workspace = _gemm_workspaces[key] = torch.empty(GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    with guard:
+        module.fp8_gemm(a.data_ptr(), _DTYPES[a.dtype], b.data_ptr(), _DTYPES[b.dtype], m, n, k,
+                        a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
+                        0 if accumulate is None else accumulate.data_ptr(), out.data_ptr(), _DTYPES[out.dtype],
+                        0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(),
+                        GEMM_WORKSPACE_BYTES, stream)
     return out

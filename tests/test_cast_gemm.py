@@ -144,3 +144,32 @@ def test_quantize_rejects_bad_args(device):
     with pytest.raises(ValueError, match="rowwise=False needs transpose=True"):
         quantize(torch.randn(4, 4, device=device), torch.tensor(1.0, device=device), torch.float8_e4m3fn,
                  rowwise=False)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_accumulate_vs_fp64(out_dtype, with_bias, device):
+    """D = A·Bᵀ (+ bias) + C, C added before the one rounding (cuBLASLt's epilogue on CUDA)."""
+    m, k, n = 64, 96, 48
+    xq = _q(torch.randn(m, k, device=device), torch.float8_e4m3fn)
+    wq = _q(torch.randn(n, k, device=device), torch.float8_e4m3fn)
+    c = (torch.randn(m, n, device=device) * 4).to(out_dtype)
+    bias = torch.randn(n, device=device, dtype=out_dtype) if with_bias else None
+    out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)  # poisoned
+    y = gemm.fprop(xq, wq, out_dtype, bias, out=out, accumulate=c)
+    assert y.data_ptr() == out.data_ptr()
+    want = _deq(xq) @ _deq(wq).t() + c.double().cpu() + (bias.double().cpu() if with_bias else 0)
+    tol = fp8_gemm_tol(device) if out_dtype == torch.float32 else (8e-3 if out_dtype == torch.bfloat16 else 1e-3)
+    assert rel_err(y.cpu(), want) < tol
+    # adding C changed the result by C (not 2C, not 0): against the same GEMM without it
+    plain = gemm.fprop(xq, wq, torch.float32, bias.float() if with_bias else None)
+    assert rel_err((y.double() - c.double()).cpu(), plain.double().cpu()) < 4 * tol
+
+
+def test_gemm_accumulate_rejects_mismatch(device):
+    xq = _q(torch.randn(32, 32, device=device), torch.float8_e4m3fn)
+    wq = _q(torch.randn(16, 32, device=device), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"accumulate is \(16, 32\) torch.bfloat16; need contiguous \(32, 16\)"):
+        gemm.fprop(xq, wq, torch.bfloat16, accumulate=torch.zeros(16, 32, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="accumulate is .* torch.float32; need"):
+        gemm.fprop(xq, wq, torch.bfloat16, accumulate=torch.zeros(32, 16, device=device))

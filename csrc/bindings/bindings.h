@@ -14,5 +14,6 @@ void check(tep_status status);
 void bind_norm(pybind11::module_& m);        // norm.cpp: LayerNorm / RMSNorm kernels
 void bind_activation(pybind11::module_& m);  // activation.cpp: bias + activation kernels
 void bind_comm_overlap(pybind11::module_& m);  // comm_overlap.cpp: csrc/comm_gemm_overlap
+void bind_gemm(pybind11::module_& m);          // gemm.cpp: the cuBLASLt FP8 GEMM (csrc/gemm)
 
 }  // namespace tep_bindings

@@ -1,4 +1,9 @@
-"""FP8 GEMM through cuBLASLt (`torch._scaled_mm`), in the three layouts of a linear layer.
+"""FP8 GEMM through cuBLASLt, in the three layouts of a linear layer.
+
+Two callers of cuBLASLt: `torch._scaled_mm`, and te_parallel's own call (csrc/gemm, `_native.fp8_gemm`),
+which also adds a C matrix in the epilogue (`accumulate=`: D = A·B + C, rounded once) and caches its
+plans. GEMMs with `accumulate` always take the native call where it is usable (else _scaled_mm and an
+add); the others take it when NATIVE_GEMM is True (environment TE_PARALLEL_NATIVE_GEMM=1/0).
 
 For y = x·Wᵀ with x [M, K] (tokens × in), W [N, K] (out × in), dy [M, N]:
 
@@ -13,10 +18,12 @@ reject.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
+from te_parallel import _native
 from te_parallel.fp8.tensor import Float8Tensor
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,26 +58,38 @@ def fp8_mm(
     what: str = "",
     out: Optional[torch.Tensor] = None,
     fast_accum: bool = False,
+    accumulate: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """(a · a_scale_inv) @ (b · b_scale_inv) + bias, accumulated in fp32.
+    """(a · a_scale_inv) @ (b · b_scale_inv) + bias (+ accumulate), accumulated in fp32.
 
     fast_accum: cuBLASLt's FAST_ACCUM (no periodic promotion of the tensor cores' partial sums to
     fp32 registers; faster, less exact for long K). See FPROP_FAST_ACCUM.
 
     a: [M, K] FP8 row-major (contiguous); b: [K, N] FP8 column-major (b.t() contiguous).
     out: optional contiguous [M, N] of out_dtype to write into (e.g. rows of a larger output).
+    accumulate: optional contiguous [M, N] of out_dtype added in the GEMM's fp32 epilogue (one rounding).
     """
     _check(a, b, out_dtype, what)
     if not a.is_contiguous() or not b.t().is_contiguous():
         raise ValueError(f"FP8 {what} GEMM needs A row-major and B column-major (cuBLASLt 'TN')")
-    if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != out_dtype or not out.is_contiguous()):
-        raise ValueError(f"FP8 {what} GEMM: out is {tuple(out.shape)} {out.dtype}; need contiguous "
-                         f"{(a.shape[0], b.shape[1])} {out_dtype}")
+    shape = (a.shape[0], b.shape[1])
+    if out is not None and (out.shape != shape or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"FP8 {what} GEMM: out is {tuple(out.shape)} {out.dtype}; need contiguous {shape} {out_dtype}")
+    if accumulate is not None and (accumulate.shape != shape or accumulate.dtype != out_dtype
+                                   or not accumulate.is_contiguous()):
+        raise ValueError(f"FP8 {what} GEMM: accumulate is {tuple(accumulate.shape)} {accumulate.dtype}; need "
+                         f"contiguous {shape} {out_dtype}")
     if a.device.type == "cpu":
-        result = _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+        result = _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate)
         return result if out is None else out.copy_(result)
     # cuBLASLt fuses a bias only into a bf16/fp16 output; add it afterwards for fp32.
     fuse_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+    if (accumulate is not None or NATIVE_GEMM) and _native.fp8_gemm_usable():
+        if out is None:
+            out = torch.empty(shape, dtype=out_dtype, device=a.device)
+        _native.fp8_gemm(a, _scalar_f32(a_scale_inv), b.t(), _scalar_f32(b_scale_inv), out, accumulate,
+                         bias if fuse_bias else None, fast_accum)
+        return out if bias is None or fuse_bias else out.add_(bias.to(out_dtype))
     kwargs = {} if out is None else {"out": out}
     result = torch._scaled_mm(
         a,
@@ -84,6 +103,8 @@ def fp8_mm(
     )
     if bias is not None and not fuse_bias:
         result = result.add_(bias.to(out_dtype)) if out is not None else result + bias.to(out_dtype)
+    if accumulate is not None:  # (no native GEMM here: the sum is rounded twice)
+        result = result.add_(accumulate)
     return result
 
 
@@ -92,7 +113,7 @@ def _scalar_f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 0 and t.dtype == torch.float32 else t.reshape(()).to(torch.float32)
 
 
-def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate=None):
     """The same math on the CPU BLAS: FP8 values widen to fp32 exactly and their products are exact
     in fp32, so this is an fp32-accumulated FP8 GEMM like cuBLASLt's. torch's CPU `_scaled_mm` is a
     scalar loop (290 s for 2048×768×3072), too slow even for tests."""
@@ -100,6 +121,8 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     out = acc * (a_scale_inv.to(torch.float32) * b_scale_inv.to(torch.float32))
     if bias is not None:
         out = out + bias.to(torch.float32)
+    if accumulate is not None:
+        out = out + accumulate.to(torch.float32)
     return out.to(out_dtype)
 
 
@@ -109,11 +132,16 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
 # here keeps the more exact accumulation. True switches the forward GEMMs to TE's choice.
 FPROP_FAST_ACCUM = False
 
+# Every FP8 GEMM through te_parallel's cuBLASLt call instead of torch._scaled_mm (docs/benchmarks.md
+# has the comparison). GEMMs that accumulate use it regardless.
+NATIVE_GEMM = os.environ.get("TE_PARALLEL_NATIVE_GEMM", "0").strip().lower() in ("1", "true", "yes", "on")
+
 
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-          out: Optional[torch.Tensor] = None):
-    """y [M, N] = x [M, K] · W[N, K]ᵀ."""
-    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out, FPROP_FAST_ACCUM)
+          out: Optional[torch.Tensor] = None, accumulate: Optional[torch.Tensor] = None):
+    """y [M, N] = x [M, K] · W[N, K]ᵀ (+ accumulate)."""
+    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out, FPROP_FAST_ACCUM,
+                  accumulate)
 
 
 def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):

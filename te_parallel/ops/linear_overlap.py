@@ -9,6 +9,8 @@ Shapes on one rank, tp ranks, me = this rank, M = tokens of the whole sequence, 
   gemm_rs   row fprop      x [M, K/tp] -> y_local [m, N]    partial_d = x[rows of d] · Wᵀ
       step k = 1..tp computes the partial for d = (me+k) % tp (own chunk last) straight into the
       shared send slot of d; d pulls it while step k+1 computes; then each rank adds its tp partials.
+      At TP=2, in row pieces: piece j of the peer's partial is pulled while piece j+1 is computed,
+      and the own partial's GEMM adds the pulled pieces in its epilogue (no separate sum).
   bulk      column bwd     AG(x_local) under dgrad, RS(dx) under wgrad (side streams).
 
 The collective moves "a tensor": FP8 operands travel as their uint8 bytes and are re-wrapped with the
@@ -36,10 +38,15 @@ def _wrap(chunk: torch.Tensor, like: Operand) -> Operand:
     return chunk
 
 
-def fprop_into(x: Operand, w: Operand, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    """out [rows, N] = x [rows, K] · Wᵀ (+ bias)."""
+def fprop_into(x: Operand, w: Operand, bias: Optional[torch.Tensor], out: torch.Tensor,
+               accumulate: Optional[torch.Tensor] = None) -> None:
+    """out [rows, N] = x [rows, K] · Wᵀ (+ bias) (+ accumulate, added in the GEMM's epilogue)."""
     if isinstance(x, Float8Tensor):
-        gemm.fprop(x, w, out.dtype, bias, out=out)
+        gemm.fprop(x, w, out.dtype, bias, out=out, accumulate=accumulate)
+    elif accumulate is not None:
+        torch.addmm(accumulate, x, w.t(), out=out)
+        if bias is not None:
+            out.add_(bias.to(out.dtype))
     elif bias is None:
         torch.matmul(x, w.t(), out=out)
     else:
@@ -77,13 +84,37 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
     return out, gathered
 
 
-def gemm_rs(ub, a_full: Operand, gemm_into: Callable[[Operand, torch.Tensor], None], n_out: int,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    """[m, n_out]: this rank's rows of sum over ranks of A·B, computed by destination chunk."""
+# At TP=2 the reduce-scatter runs in row pieces: the peer's partial is computed piece by piece, each
+# piece pulled by the peer as soon as it is written, and the own partial's GEMM adds the received
+# piece in its epilogue (cuBLASLt's C input), so no pass sums the partials. A piece has at least
+# RS_MIN_PIECE_ROWS rows (shorter GEMMs lose efficiency and add launches); docs/overlap.md.
+RS_PIECES = 4
+RS_MIN_PIECE_ROWS = 256
+
+
+def rs_pieces(tp: int, m: int) -> int:
+    """Row pieces of a TP=tp reduce-scatter whose chunks have m rows (1: the unpieced schedule)."""
+    return max(1, min(RS_PIECES, m // RS_MIN_PIECE_ROWS)) if tp == 2 else 1
+
+
+def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """[m, n_out]: this rank's rows of sum over ranks of A·B, computed by destination chunk.
+    gemm_into(a_rows, out, accumulate=None) writes a_rows·B (+ accumulate) into out."""
     tp, me = ub.tp_size, ub.rank
     rows = _bytes(a_full).shape[0]
     m = rows // tp
-    rs = ub.reduce_scatter(rows, n_out, out_dtype, _bytes(a_full).device)
+    device = _bytes(a_full).device
+    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m))
+    if len(rs.pieces) > 1:  # TP=2 (rs_pieces): the peer's partial in pieces, then the own one adds them
+        peer = 1 - me
+        for j, (a, b) in enumerate(rs.pieces):
+            gemm_into(_rows(a_full, peer * m + a, peer * m + b), rs.slot(peer)[a:b])
+            rs.ready(peer, j)
+            rs.pull_step(1, j)  # the peer's piece j for me, under my next GEMM
+        out = torch.empty((m, n_out), dtype=out_dtype, device=device)
+        for j, (a, b) in enumerate(rs.pieces):
+            gemm_into(_rows(a_full, me * m + a, me * m + b), out[a:b], rs.received(peer, j))
+        return rs.finish_accumulated(out)
     for k in range(1, tp + 1):
         d = (me + k) % tp
         a_rows = _rows(a_full, d * m, (d + 1) * m)

@@ -120,11 +120,13 @@ class CommOverlap:
         self.counts["all_gather"] += 1
         return self.transport.all_gather(x_local, out, after)
 
-    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device):
-        """Start a reduce-scatter of [rows, cols] partials; fill slot(d), call ready(d), then finish()."""
+    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device, pieces: int = 1):
+        """Start a reduce-scatter of [rows, cols] partials; fill slot(d), call ready(d), then finish().
+        pieces: row pieces a partial may be signalled and pulled in (the IPC transport; see its
+        `pieces`, which may hold fewer when the chunk is short)."""
         self._check_not_capturing("reduce-scatter")
         self.counts["reduce_scatter"] += 1
-        return self.transport.reduce_scatter(rows, cols, dtype, device)
+        return self.transport.reduce_scatter(rows, cols, dtype, device, pieces)
 
     def destroy(self) -> None:
         """Free the shared buffers. Collective: every rank first finishes its GPU work and waits for the

@@ -23,7 +23,7 @@ a different peer.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,8 @@ class IpcTransport:
             self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
             self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
         self.raw = {ch: st.cuda_stream for ch, st in self.streams.items()}  # the side streams' handles
-        self.gen = {AG: 0, RS: 0}
+        self.gen = {AG: 0}
+        self.seq = {RS: 0}  # flag values used by reduce-scatters so far (IpcReduceScatter)
         self.timing = False  # True: record timed events around every pull (benchmarks' overlap proof)
 
     # flags on every rank: [channel][ready | done][peer]
@@ -115,11 +116,6 @@ class IpcTransport:
     def _peers(self):
         return [(self.rank + k) % self.tp for k in range(1, self.tp)]
 
-    def _wait_consumers(self, ch: int, gen: int, stream: int) -> None:
-        if gen > 1:
-            for p in self._peers():
-                self.comm.wait(self._done(ch, p), gen - 1, stream)
-
     def mark(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
@@ -128,8 +124,8 @@ class IpcTransport:
     def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> "IpcAllGather":
         return IpcAllGather(self, x_local, out, after)
 
-    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device) -> "IpcReduceScatter":
-        return IpcReduceScatter(self, rows, cols, dtype)
+    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device, pieces: int = 1) -> "IpcReduceScatter":
+        return IpcReduceScatter(self, rows, cols, dtype, pieces)
 
     def close(self) -> None:
         self.own = None
@@ -200,19 +196,42 @@ class IpcAllGather:
         return self.full
 
 
+def row_pieces(m: int, pieces: int) -> List[Tuple[int, int]]:
+    """`pieces` row ranges covering [0, m), as even as multiples of 16 rows allow (FP8 GEMMs need
+    16-row multiples); fewer when m is too short, never an empty one."""
+    bounds = sorted({min(m, round(m * j / pieces / 16) * 16) for j in range(pieces)} | {m})
+    starts = [b for b in bounds if b < m] or [0]
+    return [(a, b) for a, b in zip(starts, starts[1:] + [m])]
+
+
 class IpcReduceScatter:
     """The caller writes the partial for destination d into `slot(d)` (a view of the shared buffer)
-    and calls `ready(d)`; `finish()` pulls the partials meant for this rank and adds them in fp32."""
+    and calls `ready(d)`; `finish()` pulls the partials meant for this rank and adds them in fp32.
 
-    def __init__(self, t: IpcTransport, rows: int, cols: int, dtype: torch.dtype) -> None:
+    Pieces: a partial may be written and signalled in row pieces (`ready(d, piece=j)`, rows
+    `pieces[j]`) and pulled piece by piece (`pull_step(k, piece=j)`), so its owner starts pulling
+    before the whole partial exists. `received(src, j)` then gives a pulled piece on the caller's
+    stream, for a GEMM that adds it in its epilogue (`finish_accumulated` replaces the sum).
+
+    Flag values: every op takes `len(pieces)` consecutive values of the RS channel's counter
+    (identical on all ranks); piece j is ready at base+j+1, and done = base+len(pieces) tells a
+    producer that this op's pulls are over."""
+
+    def __init__(self, t: IpcTransport, rows: int, cols: int, dtype: torch.dtype, pieces: int = 1) -> None:
         self.t, self.m, self.cols, self.dtype = t, rows // t.tp, cols, dtype
         nbytes = _check_scatter(t, rows, cols, dtype)
         self.nbytes, self.stride = nbytes, -(-nbytes // 256) * 256  # slot d at d·stride (same on every rank)
-        t.gen[RS] += 1
-        self.gen = t.gen[RS]
-        t._wait_consumers(RS, self.gen, _current(t.device))  # GEMMs write the send slots next
+        self.pieces = row_pieces(self.m, pieces)
+        self.base = t.seq[RS]
+        t.seq[RS] += len(self.pieces)
+        if self.base > 0:  # GEMMs write the send slots next: every consumer is done with the last op
+            cur = _current(t.device)
+            for p in t._peers():
+                t.comm.wait(t._done(RS, p), self.base, cur)
         self.partials = self.t._own_view(RS, t.tp * t.chunk_bytes)
-        self.received, self.parts, self.pulls = None, {t.rank: self._own_slot(t.rank)}, []
+        self.received_buf, self.parts, self.pulls = None, {t.rank: self._own_slot(t.rank)}, []
+        self.pulled: Dict[int, set] = {}  # src -> pieces pulled
+        self.piece_events: Dict[tuple, torch.cuda.Event] = {}
 
     def _own_slot(self, d: int) -> torch.Tensor:
         start = d * self.stride
@@ -227,35 +246,62 @@ class IpcReduceScatter:
             return None
         return self.partials[: self.t.tp * self.nbytes].view(self.dtype).view(self.t.tp * self.m, self.cols)
 
-    def ready(self, d: int) -> None:
+    def ready(self, d: int, piece: Optional[int] = None) -> None:
+        """Rows `pieces[piece]` of slot d are written (None: the whole slot)."""
         if d != self.t.rank:
-            self.t.comm.signal(d, self.t._ready(RS, self.t.rank), self.gen, _current(self.t.device))
+            value = self.base + (len(self.pieces) if piece is None else piece + 1)
+            self.t.comm.signal(d, self.t._ready(RS, self.t.rank), value, _current(self.t.device))
 
-    def pull_step(self, k: int) -> None:
+    def pull_step(self, k: int, piece: Optional[int] = None) -> None:
         """Issue, on the RS stream, the pull of the partial that rank me-k computed for this rank at its
-        step k (1 <= k < tp). It waits for that rank's ready flag, so issue it only after this rank's own
-        step-k GEMM and ready(): with CUDA_DEVICE_MAX_CONNECTIONS=1 all streams share one hardware queue
-        and a stream wait blocks everything issued after it, including work a peer is waiting for."""
+        step k (1 <= k < tp): one piece, or (None) every piece not pulled yet. It waits for that rank's
+        ready flag, so issue it only after this rank's own step-k GEMM and ready(): with
+        CUDA_DEVICE_MAX_CONNECTIONS=1 all streams share one hardware queue and a stream wait blocks
+        everything issued after it, including work a peer is waiting for."""
         t, comm = self.t, self.t.comm
         s = t.streams[RS]
-        if self.received is None:
+        if self.received_buf is None:
             with torch.cuda.stream(s):  # memory owned by the copy stream (it writes first)
-                self.received = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
+                self.received_buf = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
         src, sp = (t.rank - k) % t.tp, t.raw[RS]
-        if src in self.parts:
+        done = self.pulled.setdefault(src, set())
+        todo = [j for j in (range(len(self.pieces)) if piece is None else [piece]) if j not in done]
+        if not todo:
             return
-        comm.wait(t._ready(RS, src), self.gen, sp)
+        whole = len(todo) == len(self.pieces)  # one copy for the whole partial
+        comm.wait(t._ready(RS, src), self.base + (len(self.pieces) if whole else todo[-1] + 1), sp)
         started = _event(s, True) if t.timing else None
-        comm.copy(self.received[k - 1].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride, self.nbytes, sp)
-        comm.signal(src, t._done(RS, t.rank), self.gen, sp)
+        row_bytes = self.cols * self.received_buf.element_size()
+        for a, b in ([(0, self.m)] if whole else [self.pieces[j] for j in todo]):
+            comm.copy(self.received_buf[k - 1, a:b].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride + a * row_bytes,
+                      (b - a) * row_bytes, sp)
+        done.update(todo)
+        if piece is not None:
+            self.piece_events[(src, piece)] = _event(s, False)
+        if len(done) == len(self.pieces):
+            comm.signal(src, t._done(RS, t.rank), self.base + len(self.pieces), sp)
+            self.parts[src] = self.received_buf[k - 1]
         if t.timing:
             self.pulls.append((started, _event(s, True)))
-        self.parts[src] = self.received[k - 1]
+
+    def received(self, src: int, piece: int) -> torch.Tensor:
+        """Rows `pieces[piece]` of src's partial for this rank, on the caller's stream (after its pull)."""
+        self.pull_step((self.t.rank - src) % self.t.tp, piece)
+        torch.cuda.current_stream(self.t.device).wait_event(self.piece_events[(src, piece)])
+        a, b = self.pieces[piece]
+        return self.received_buf[(self.t.rank - src) % self.t.tp - 1, a:b]
 
     def start_pulls(self) -> None:
         """All pulls (after every ready(d) of this rank has been issued)."""
         for k in range(1, self.t.tp):
             self.pull_step(k)
+
+    def finish_accumulated(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` holds the sum already: GEMMs on the caller's stream added every received piece."""
+        self.start_pulls()  # (nothing left, unless a piece was never used)
+        self.received_buf.record_stream(torch.cuda.current_stream(self.t.device))
+        self.out = out
+        return out
 
     def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> torch.Tensor:
         """[m, cols] sum of the partials for this rank (after `start_pulls`), in fp32 in rank order.
@@ -274,7 +320,7 @@ class IpcReduceScatter:
             cur.wait_stream(s)  # pulls done
             out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
             self._sum(ordered, out, cur)
-        self.received.record_stream(cur)
+        self.received_buf.record_stream(cur)
         self.out = out
         return out
 
@@ -306,8 +352,8 @@ class P2PTransport:
     def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> "P2PAllGather":
         return P2PAllGather(self, x_local, out)
 
-    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device) -> "P2PReduceScatter":
-        return P2PReduceScatter(self, rows, cols, dtype, device)
+    def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device, pieces: int = 1) -> "P2PReduceScatter":
+        return P2PReduceScatter(self, rows, cols, dtype, device)  # (pieces: one message per partial)
 
     def close(self) -> None:
         pass
@@ -356,6 +402,7 @@ class P2PReduceScatter:
     def __init__(self, t: P2PTransport, rows: int, cols: int, dtype: torch.dtype, device) -> None:
         _check_scatter(t, rows, cols, dtype)
         self.t, self.m, self.cols, self.dtype = t, rows // t.tp, cols, dtype
+        self.pieces = [(0, self.m)]  # one message per partial
         self.partials = torch.empty((rows, cols), dtype=dtype, device=device)
         self.works: list = []
         self.received: Dict[int, torch.Tensor] = {}

@@ -139,6 +139,59 @@ def _primitives(rank, world, group, device, ub):
         assert torch.equal(y[rank * 8 : (rank + 1) * 8], x + 1)
 
 
+def _pieced_primitives(rank, world, group, device, ub):
+    """TP=2 over IPC: partials signalled and pulled in row pieces, the owner adding each received
+    piece itself (as gemm_rs's GEMM epilogue does), mixed with unpieced ops on the same buffers."""
+    dtype = _dtype(device)
+    gen = torch.Generator().manual_seed(11)
+    peer = 1 - rank
+    for pieces in (4, 1, 3, 2):
+        parts = torch.randn(world, 64 * world, 16, generator=gen).to(dtype)  # the same on both ranks
+        rs = ub.reduce_scatter(64 * world, 16, dtype, device, pieces=pieces)
+        assert len(rs.pieces) == pieces and rs.pieces[0][0] == 0 and rs.pieces[-1][1] == 64, rs.pieces
+        if pieces == 1:
+            for k in (1, 2):
+                d = (rank + k) % world
+                rs.slot(d).copy_(parts[rank, d * 64 : (d + 1) * 64].to(device))
+                rs.ready(d)
+            out = rs.finish(dtype)
+        else:
+            for j, (a, b) in enumerate(rs.pieces):
+                rs.slot(peer)[a:b].copy_(parts[rank, peer * 64 + a : peer * 64 + b].to(device))
+                rs.ready(peer, j)
+                rs.pull_step(1, j)
+            out = torch.empty(64, 16, dtype=dtype, device=device)
+            own = parts[rank, rank * 64 : (rank + 1) * 64].to(device)
+            for j, (a, b) in enumerate(rs.pieces):
+                torch.add(own[a:b], rs.received(peer, j), out=out[a:b])
+            out = rs.finish_accumulated(out)
+        want = (parts[rank].float() + parts[peer].float())[rank * 64 : (rank + 1) * 64].to(dtype)
+        got = (parts[0].float() + parts[1].float())[rank * 64 : (rank + 1) * 64].to(dtype)
+        assert torch.equal(want, got)
+        assert torch.equal(out.cpu(), want), f"pieces={pieces}: max diff {(out.cpu().float() - want.float()).abs().max()}"
+
+
+def _pieced_linear(rank, world, group, device, ub):
+    """The row-parallel Linear cases again with pieces short enough to run gemm_rs's TP=2 pieced
+    schedule at these sizes (64 rows per rank: 4 pieces of 16 rows), checking that it ran."""
+    from te_parallel.ops import linear_overlap
+    from te_parallel.parallel import ub_transport
+
+    calls = []
+    finish = ub_transport.IpcReduceScatter.finish_accumulated
+    old = linear_overlap.RS_MIN_PIECE_ROWS
+    ub_transport.IpcReduceScatter.finish_accumulated = lambda self, out: calls.append(len(self.pieces)) or finish(self, out)
+    linear_overlap.RS_MIN_PIECE_ROWS = 16
+    try:
+        for bias in (False, True):
+            for rec in ("off", "delayed", "current"):
+                _linear_case("row", bias, rec, rank, world, group, device, ub, seq=64)
+    finally:
+        linear_overlap.RS_MIN_PIECE_ROWS = old
+        ub_transport.IpcReduceScatter.finish_accumulated = finish
+    assert calls == [4] * 6, calls  # one pieced reduce-scatter per forward
+
+
 def _suite(rank, world, device):
     group = dist.new_group(list(range(world)))
     with warnings.catch_warnings(record=True) as caught:
@@ -149,6 +202,9 @@ def _suite(rank, world, device):
     want_transport = "ipc" if device.type == "cuda" else "p2p"
     checks.run("transport", _expect, ub.transport_name, want_transport, fallback)
     checks.run("primitives", _primitives, rank, world, group, device, ub)
+    if ub.transport_name == "ipc" and world == 2:
+        checks.run("pieced reduce-scatter", _pieced_primitives, rank, world, group, device, ub)
+        checks.run("pieced Linear row", _pieced_linear, rank, world, group, device, ub)
     for mode in ("column", "row"):
         for bias in (False, True):
             for rec in ("off", "delayed", "current"):

@@ -1,0 +1,290 @@
+// tep_fp8_gemm: an FP8 cuBLASLt matmul with cached plans (csrc/include/te_parallel/gemm.h).
+//
+// Row-major D[m, n] = A[m, k] · B[n, k]ᵀ is column-major Dᵀ[n, m] = Bᵀ · A, so cuBLASLt's first operand
+// is our B (stored [k, n] column-major, used transposed) and its second our A ([k, m], not transposed):
+// the "TN" form that cuBLASLt's FP8 kernels require. Its A-scale is therefore our scale_b.
+#include <dlfcn.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "../kernels/common.h"
+#include "cublaslt_api.h"
+#include "te_parallel/gemm.h"
+
+namespace {
+
+struct Api {
+  tep_lt::CreateFn create = nullptr;
+  tep_lt::DescCreateFn desc_create = nullptr;
+  tep_lt::DescDestroyFn desc_destroy = nullptr;
+  tep_lt::DescSetFn desc_set = nullptr;
+  tep_lt::LayoutCreateFn layout_create = nullptr;
+  tep_lt::LayoutDestroyFn layout_destroy = nullptr;
+  tep_lt::PrefCreateFn pref_create = nullptr;
+  tep_lt::PrefDestroyFn pref_destroy = nullptr;
+  tep_lt::PrefSetFn pref_set = nullptr;
+  tep_lt::HeuristicFn heuristic = nullptr;
+  tep_lt::MatmulFn matmul = nullptr;
+  tep_lt::StatusStringFn status_string = nullptr;
+};
+
+std::mutex g_mutex;  // guards everything below (the handles and the plan cache)
+Api g_api;
+bool g_load_tried = false;
+bool g_loaded = false;
+char g_load_error[512] = "";
+
+template <typename Fn>
+bool sym(void* lib, const char* name, Fn* out) {
+  *out = reinterpret_cast<Fn>(dlsym(lib, name));
+  if (*out == nullptr) {
+    std::snprintf(g_load_error, sizeof(g_load_error), "cuBLASLt has no symbol %s", name);
+    return false;
+  }
+  return true;
+}
+
+// Prefers the copy already in the process (torch's), so both use one cuBLASLt; then the library path.
+bool load_locked() {
+  if (g_load_tried) return g_loaded;
+  g_load_tried = true;
+  const char* names[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"};
+  void* lib = nullptr;
+  const char* override_path = std::getenv("TE_PARALLEL_CUBLASLT");
+  if (override_path && *override_path) {
+    lib = dlopen(override_path, RTLD_NOW | RTLD_LOCAL);
+  } else {
+    for (const char* name : names) {
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD))) break;
+    }
+    for (const char* name : names) {
+      if (lib) break;
+      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    }
+  }
+  if (!lib) {
+    const char* why = dlerror();
+    std::snprintf(g_load_error, sizeof(g_load_error), "cannot open cuBLASLt (%s%s): %s",
+                  override_path && *override_path ? "TE_PARALLEL_CUBLASLT=" : "libcublasLt.so.13/.12/.so",
+                  override_path && *override_path ? override_path : "", why ? why : "not found");
+    return false;
+  }
+  Api api;
+  bool ok = sym(lib, "cublasLtCreate", &api.create) && sym(lib, "cublasLtMatmulDescCreate", &api.desc_create) &&
+            sym(lib, "cublasLtMatmulDescDestroy", &api.desc_destroy) &&
+            sym(lib, "cublasLtMatmulDescSetAttribute", &api.desc_set) &&
+            sym(lib, "cublasLtMatrixLayoutCreate", &api.layout_create) &&
+            sym(lib, "cublasLtMatrixLayoutDestroy", &api.layout_destroy) &&
+            sym(lib, "cublasLtMatmulPreferenceCreate", &api.pref_create) &&
+            sym(lib, "cublasLtMatmulPreferenceDestroy", &api.pref_destroy) &&
+            sym(lib, "cublasLtMatmulPreferenceSetAttribute", &api.pref_set) &&
+            sym(lib, "cublasLtMatmulAlgoGetHeuristic", &api.heuristic) && sym(lib, "cublasLtMatmul", &api.matmul) &&
+            sym(lib, "cublasLtGetStatusString", &api.status_string);
+  if (!ok) return false;  // (the library stays open: harmless, and torch may hold it anyway)
+  g_api = api;
+  g_loaded = true;
+  return true;
+}
+
+const char* status_text(tep_lt::Status s) {
+  const char* text = g_api.status_string ? g_api.status_string(s) : nullptr;
+  return text ? text : "unknown cuBLASLt status";
+}
+
+bool lt_ok(tep_lt::Status s, const char* what) {
+  if (s == tep_lt::kSuccess) return true;
+  tep::set_error("tep_fp8_gemm: %s failed: %s (%d)", what, status_text(s), s);
+  return false;
+}
+
+bool to_cuda_type(int dtype, cudaDataType_t* out) {
+  switch (dtype) {
+    case TEP_FLOAT32: *out = CUDA_R_32F; return true;
+    case TEP_FLOAT16: *out = CUDA_R_16F; return true;
+    case TEP_BFLOAT16: *out = CUDA_R_16BF; return true;
+    case TEP_FLOAT8_E4M3: *out = CUDA_R_8F_E4M3; return true;
+    case TEP_FLOAT8_E5M2: *out = CUDA_R_8F_E5M2; return true;
+    default: return false;
+  }
+}
+
+int alignment(const void* p) {  // largest power of two <= 256 dividing the address
+  auto v = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && v % a) a /= 2;
+  return a;
+}
+
+// Everything that changes the descriptors or the heuristic's answer.
+using Key = std::tuple<int, long long, long long, long long, int, int, int, bool, bool, bool, int, int, int, int, size_t>;
+
+struct Plan {
+  tep_lt::MatmulDesc desc = nullptr;
+  tep_lt::MatrixLayout a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our B), B (our A), C = D
+  tep_lt::Algo algo{};
+};
+
+std::map<Key, Plan> g_plans;
+tep_lt::Handle g_handles[64] = {};
+
+void destroy_plan(Plan& p) {
+  if (p.desc) g_api.desc_destroy(p.desc);
+  if (p.a) g_api.layout_destroy(p.a);
+  if (p.b) g_api.layout_destroy(p.b);
+  if (p.d) g_api.layout_destroy(p.d);
+}
+
+// Descriptors + algorithm for `key`; false (error set) if cuBLASLt has no algorithm for it.
+bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cudaDataType_t a_t, cudaDataType_t b_t,
+               cudaDataType_t d_t, bool has_c, bool has_bias, bool fast_accum, const int align[4],
+               size_t workspace_bytes, Plan* plan) {
+  Plan p;
+  int32_t op_t = tep_lt::kOpT, op_n = tep_lt::kOpN;
+  int8_t fast = fast_accum ? 1 : 0;
+  uint32_t epilogue = has_bias ? tep_lt::kEpilogueBias : tep_lt::kEpilogueDefault;
+  bool ok = lt_ok(g_api.desc_create(&p.desc, tep_lt::kCompute32F, CUDA_R_32F), "cublasLtMatmulDescCreate") &&
+            lt_ok(g_api.desc_set(p.desc, tep_lt::kDescTransA, &op_t, sizeof(op_t)), "set TRANSA") &&
+            lt_ok(g_api.desc_set(p.desc, tep_lt::kDescTransB, &op_n, sizeof(op_n)), "set TRANSB") &&
+            lt_ok(g_api.desc_set(p.desc, tep_lt::kDescFastAccum, &fast, sizeof(fast)), "set FAST_ACCUM") &&
+            lt_ok(g_api.desc_set(p.desc, tep_lt::kDescEpilogue, &epilogue, sizeof(epilogue)), "set EPILOGUE");
+  if (ok && has_bias) {
+    int32_t bias_t = static_cast<int32_t>(d_t);
+    ok = lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBiasDataType, &bias_t, sizeof(bias_t)), "set BIAS_DATA_TYPE");
+  }
+  ok = ok && lt_ok(g_api.layout_create(&p.a, b_t, k, n, k), "layout of B") &&
+       lt_ok(g_api.layout_create(&p.b, a_t, k, m, k), "layout of A") &&
+       lt_ok(g_api.layout_create(&p.d, d_t, n, m, n), "layout of D");
+  tep_lt::Preference pref = nullptr;
+  ok = ok && lt_ok(g_api.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+  if (ok) {
+    uint64_t ws = workspace_bytes;
+    uint32_t al_a = align[1], al_b = align[0], al_c = align[2], al_d = align[3];  // cuBLASLt's A is our B
+    ok = lt_ok(g_api.pref_set(pref, tep_lt::kPrefMaxWorkspaceBytes, &ws, sizeof(ws)), "set MAX_WORKSPACE_BYTES") &&
+         lt_ok(g_api.pref_set(pref, tep_lt::kPrefMinAlignmentA, &al_a, sizeof(al_a)), "set MIN_ALIGNMENT_A") &&
+         lt_ok(g_api.pref_set(pref, tep_lt::kPrefMinAlignmentB, &al_b, sizeof(al_b)), "set MIN_ALIGNMENT_B") &&
+         lt_ok(g_api.pref_set(pref, tep_lt::kPrefMinAlignmentC, &al_c, sizeof(al_c)), "set MIN_ALIGNMENT_C") &&
+         lt_ok(g_api.pref_set(pref, tep_lt::kPrefMinAlignmentD, &al_d, sizeof(al_d)), "set MIN_ALIGNMENT_D");
+  }
+  if (ok) {
+    tep_lt::HeuristicResult result{};
+    int returned = 0;
+    ok = lt_ok(g_api.heuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &returned),
+               "cublasLtMatmulAlgoGetHeuristic");
+    if (ok && (returned < 1 || result.state != tep_lt::kSuccess)) {
+      tep::set_error("tep_fp8_gemm: cuBLASLt has no algorithm for m=%lld n=%lld k=%lld (A %d, B %d, D %d, C %s, "
+                     "bias %s)", m, n, k, static_cast<int>(a_t), static_cast<int>(b_t), static_cast<int>(d_t),
+                     has_c ? "yes" : "no", has_bias ? "yes" : "no");
+      ok = false;
+    }
+    if (ok) p.algo = result.algo;
+  }
+  if (pref) g_api.pref_destroy(pref);
+  if (!ok) {
+    destroy_plan(p);
+    return false;
+  }
+  *plan = p;
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tep_fp8_gemm_available(void) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!load_locked()) {
+    tep::set_error("tep_fp8_gemm: %s", g_load_error);
+    return 0;
+  }
+  return 1;
+}
+
+long long tep_fp8_gemm_cached_plans(void) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return static_cast<long long>(g_plans.size());
+}
+
+tep_status tep_fp8_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n, long long k,
+                        const float* scale_a, const float* scale_b, const void* c, void* d, int d_dtype,
+                        const void* bias, int fast_accum, void* workspace, size_t workspace_bytes, void* stream) {
+  bool a_fp8 = a_dtype == TEP_FLOAT8_E4M3 || a_dtype == TEP_FLOAT8_E5M2;
+  bool b_fp8 = b_dtype == TEP_FLOAT8_E4M3 || b_dtype == TEP_FLOAT8_E5M2;
+  if (!a_fp8 || !b_fp8 || (a_dtype == TEP_FLOAT8_E5M2 && b_dtype == TEP_FLOAT8_E5M2)) {
+    tep::set_error("tep_fp8_gemm: a_dtype=%d, b_dtype=%d; need FP8 E4M3/E5M2 operands, not both E5M2", a_dtype,
+                   b_dtype);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (d_dtype != TEP_FLOAT32 && d_dtype != TEP_FLOAT16 && d_dtype != TEP_BFLOAT16) {
+    tep::set_error("tep_fp8_gemm: d_dtype=%d; need TEP_FLOAT32, TEP_FLOAT16 or TEP_BFLOAT16", d_dtype);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (m < 16 || n < 16 || k < 16 || m % 16 || n % 16 || k % 16) {
+    tep::set_error("tep_fp8_gemm: m=%lld n=%lld k=%lld; need each >= 16 and a multiple of 16", m, n, k);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (!a || !b || !d || !scale_a || !scale_b || (workspace_bytes && !workspace)) {
+    tep::set_error("tep_fp8_gemm: a, b, d, scale_a, scale_b (and workspace when workspace_bytes > 0) must be set");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (bias && d_dtype == TEP_FLOAT32) {
+    tep::set_error("tep_fp8_gemm: a bias needs an fp16/bf16 D (cuBLASLt's FP8 kernels take no bias with fp32 D)");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    cudaGetLastError();
+    tep::set_error("tep_fp8_gemm: no current CUDA device");
+    return TEP_ERROR_CUDA;
+  }
+  cudaDataType_t a_t, b_t, d_t;
+  to_cuda_type(a_dtype, &a_t);
+  to_cuda_type(b_dtype, &b_t);
+  to_cuda_type(d_dtype, &d_t);
+
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!load_locked()) {
+    tep::set_error("tep_fp8_gemm: %s", g_load_error);
+    return TEP_ERROR_CUDA;
+  }
+  tep_lt::Handle& handle = g_handles[device];
+  if (!handle && !lt_ok(g_api.create(&handle), "cublasLtCreate")) return TEP_ERROR_CUDA;
+
+  int align_cd = alignment(d);  // C and D share one layout, so one alignment
+  if (c && alignment(c) < align_cd) align_cd = alignment(c);
+  int align[4] = {alignment(a), alignment(b), align_cd, align_cd};
+  Key key{device, m, n, k, a_dtype, b_dtype, d_dtype, c != nullptr, bias != nullptr, fast_accum != 0,
+          align[0], align[1], align[2], align[3], workspace_bytes};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan plan;
+    if (!make_plan(handle, m, n, k, a_t, b_t, d_t, c != nullptr, bias != nullptr, fast_accum != 0, align,
+                   workspace_bytes, &plan))
+      return TEP_ERROR_CUDA;
+    it = g_plans.emplace(key, plan).first;
+  }
+  Plan& p = it->second;
+  // The per-call pointers live in the descriptor; the lock keeps another thread from changing them
+  // between these calls and the launch.
+  if (!lt_ok(g_api.desc_set(p.desc, tep_lt::kDescAScalePointer, &scale_b, sizeof(scale_b)), "set A_SCALE_POINTER") ||
+      !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBScalePointer, &scale_a, sizeof(scale_a)), "set B_SCALE_POINTER"))
+    return TEP_ERROR_CUDA;
+  if (bias && !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBiasPointer, &bias, sizeof(bias)), "set BIAS_POINTER"))
+    return TEP_ERROR_CUDA;
+  const float alpha = 1.0f, beta = c ? 1.0f : 0.0f;
+  if (!lt_ok(g_api.matmul(handle, p.desc, &alpha, b, p.a, a, p.b, &beta, c ? c : d, p.d, d, p.d, &p.algo, workspace,
+                          workspace_bytes, stream),
+             "cublasLtMatmul"))
+    return TEP_ERROR_CUDA;
+  return TEP_SUCCESS;
+}
+
+}  // extern "C"

@@ -1,0 +1,159 @@
+"""tep_fp8_gemm (csrc/gemm: te_parallel's own cuBLASLt call) against torch._scaled_mm and fp64.
+
+Both call cuBLASLt with the same operands, scales and epilogue, so they agree to the last bit where
+the heuristic picks the same kernel; the assertions allow one rounding of the output dtype, since
+nothing obliges the two callers' heuristics to agree.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from te_parallel import _native
+from te_parallel.ops import gemm
+from te_parallel.ops.cast import quantize_current
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("needs compute capability >= 8.9 for FP8", allow_module_level=True)
+if not _native.fp8_gemm_usable():
+    pytest.skip("te_parallel._C is absent or cuBLASLt did not open", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+ULP = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _q(shape, dtype, seed, mag=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return quantize_current(torch.randn(*shape, device="cuda", generator=g) * mag, dtype)
+
+
+def _close(got, want, dtype, ulps=1.0):
+    """Within `ulps` units of the output dtype's rounding, relative to each element (plus a floor
+    relative to the tensor's largest, for elements near zero)."""
+    err = (got.double() - want.double()).abs()
+    bound = ulps * ULP[dtype] * (want.double().abs() + 1e-3 * want.double().abs().max())
+    bad = (err > bound).sum().item()
+    assert bad == 0, f"{bad} elements differ by more than {ulps} ulp (max {err.max().item():.3g})"
+
+
+@pytest.mark.parametrize("m, k, n", [(16, 16, 16), (48, 80, 32), (272, 528, 1040), (2048, 768, 3072)])
+@pytest.mark.parametrize("types", [(E4, E4), (E4, E5), (E5, E4)], ids=["e4e4", "e4e5", "e5e4"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_matches_scaled_mm(m, k, n, types, out_dtype, with_bias):
+    a, b = _q((m, k), types[0], m + k), _q((n, k), types[1], n + 7, mag=0.5)
+    bias = torch.randn(n, device="cuda").to(out_dtype) if with_bias and out_dtype != torch.float32 else None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)  # poisoned
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
+    want = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias,
+                            out_dtype=out_dtype)
+    assert not out.isnan().any()
+    _close(out, want, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_accumulate_is_one_rounding(out_dtype, fast_accum):
+    """D = A·Bᵀ + C rounded once: against the fp32 GEMM plus C, rounded (the same kernel family's
+    accumulation), and against fp64."""
+    m, k, n = 1024, 512, 768
+    a, b = _q((m, k), E4, 1), _q((n, k), E4, 2)
+    c = (torch.randn(m, n, device="cuda") * 8).to(out_dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=c, fast_accum=fast_accum)
+    acc32 = torch.empty(m, n, device="cuda")
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, acc32, fast_accum=fast_accum)
+    _close(out, (acc32.double() + c.double()).to(out_dtype), out_dtype)
+    exact = (a.data.double() * a.scale_inv.double()) @ (b.data.double() * b.scale_inv.double()).t() + c.double()
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    assert rel < 4 * ULP[out_dtype] + 1e-5, rel
+
+
+def test_accumulate_in_place_and_into_row_slices():
+    """C may be D (in place); D and C may be row slices of larger tensors; nothing outside is touched."""
+    m, k, n = 64, 128, 96
+    a, b = _q((m, k), E4, 3), _q((n, k), E4, 4)
+    big = torch.full((3 * m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    big[m + 1 : 2 * m + 1] = c
+    view = big[m + 1 : 2 * m + 1]  # a 1-row offset: 64-byte aligned, so the plan is not the 256-byte one
+    want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, want, accumulate=c)
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, view, accumulate=view)
+    assert torch.equal(view, want)
+    assert big[: m + 1].isnan().all() and big[2 * m + 1 :].isnan().all()
+
+
+def test_plans_are_cached():
+    a, b = _q((32, 64), E4, 5), _q((48, 64), E4, 6)
+    out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    before = _native.load().fp8_gemm_cached_plans()
+    for _ in range(3):
+        _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    assert _native.load().fp8_gemm_cached_plans() == before
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
+    assert _native.load().fp8_gemm_cached_plans() == before + 1  # C changes the plan
+
+
+def test_bad_arguments_fail_with_one_line():
+    a, b = _q((32, 64), E4, 7), _q((48, 64), E4, 8)
+    out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
+    module = _native.load()
+    with pytest.raises(RuntimeError, match="m=8 n=48 k=64; need each >= 16 and a multiple of 16"):
+        module.fp8_gemm(a.data_ptr(), 3, b.data_ptr(), 3, 8, 48, 64, a.scale_inv.data_ptr(), b.scale_inv.data_ptr(),
+                        0, out.data_ptr(), 2, 0, False, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="need FP8 E4M3/E5M2 operands, not both E5M2"):
+        module.fp8_gemm(a.data_ptr(), 4, b.data_ptr(), 4, 32, 48, 64, a.scale_inv.data_ptr(), b.scale_inv.data_ptr(),
+                        0, out.data_ptr(), 2, 0, False, 0, 0, 0)
+    with pytest.raises(ValueError, match=r"fp8_gemm: got a .*need FP8 a \[m, k\], b \[n, k\]"):
+        _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
+
+
+def test_linear_with_native_gemm_matches_scaled_mm(monkeypatch):
+    """A te.Linear FP8 step with every GEMM through the native call: the same outputs and gradients."""
+    import te_parallel as te
+    from te_parallel import recipe
+
+    torch.manual_seed(0)
+    lin = te.Linear(512, 768, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(256, 768, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        xi = x.clone().requires_grad_(True)
+        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+            y = lin(xi)
+        y.backward(dy)
+        grads = (xi.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+        lin.zero_grad(set_to_none=True)
+        return (y.detach(), *grads)
+
+    want = step()
+    monkeypatch.setattr(gemm, "NATIVE_GEMM", True)
+    got = step()
+    for g, w in zip(got, want):
+        _close(g.float(), w.float(), torch.bfloat16)
+
+
+def test_unopenable_cublaslt_says_why_and_accumulate_falls_back():
+    code = (
+        "import torch; from te_parallel import _native; from te_parallel.ops import gemm;"
+        "from te_parallel.ops.cast import quantize_current as q;"
+        "assert not _native.fp8_gemm_usable();"
+        "print(_native.load().fp8_gemm_unavailable_reason());"
+        "a = q(torch.randn(32, 64, device='cuda'), torch.float8_e4m3fn);"
+        "c = torch.ones(32, 32, device='cuda', dtype=torch.bfloat16);"
+        "y = gemm.fprop(a, a, torch.bfloat16, accumulate=c);"
+        "ref = gemm.fprop(a, a, torch.float32) + 1;"
+        "assert ((y.float() - ref).abs() <= 2**-6 * ref.abs() + 1e-2).all()"
+    )
+    env = dict(os.environ, TE_PARALLEL_CUBLASLT="/nonexistent/libcublasLt.so")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cannot open cuBLASLt (TE_PARALLEL_CUBLASLT=/nonexistent/libcublasLt.so)" in done.stdout, done.stdout
