@@ -83,7 +83,7 @@ def main() -> None:
                      ("te bf16", host_us(te_call, a.calls)),
                      ("te FP8 delayed", host_us(te_call, a.calls, fp8_region(delayed))),
                      ("te FP8 current", host_us(te_call, a.calls, fp8_region(current)))]
-            if _native.fp8_gemm_usable():  # the same, with te_parallel's cuBLASLt call for the GEMM
+            if _native.gemm_usable():  # the same, with te_parallel's cuBLASLt call for the GEMM
                 gemm.NATIVE_GEMM = True
                 cases += [("te FP8 delayed, native GEMM", host_us(te_call, a.calls, fp8_region(delayed))),
                           ("te FP8 current, native GEMM", host_us(te_call, a.calls, fp8_region(current)))]

@@ -41,7 +41,7 @@ def bench_shape(m: int, k: int, n: int):
     rows = []
     cases = [("torch bf16", ref, None), ("te bf16", lin, None),
              ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling())]
-    if _native.fp8_gemm_usable():
+    if _native.gemm_usable():
         cases.append(("te fp8 delayed, native GEMM", lin, recipe.DelayedScaling()))
     base = None
     base_synced = None

@@ -20,7 +20,7 @@ from typing import NoReturn, Sequence, Tuple
 import torch
 
 __all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update", "cast_transpose_amax",
-           "transpose_fp8", "fp8_gemm", "fp8_gemm_usable"]
+           "transpose_fp8", "fp8_gemm", "gemm_usable", "gemm_workspace"]
 
 _ALGOS = {"max": 0, "most_recent": 1}
 
@@ -245,22 +245,32 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# cuBLASLt workspace of the native FP8 GEMM, one per (device, stream): two GEMMs in flight on
-# different streams must not share one. 32 MiB is what cuBLASLt's Hopper kernels may ask for.
+# cuBLASLt workspace of the native GEMM, one per (device, stream): two GEMMs in flight on different
+# streams must not share one. 32 MiB is what cuBLASLt's Hopper kernels may ask for.
 GEMM_WORKSPACE_BYTES = 32 * 1024 * 1024
 _gemm_workspaces: dict = {}
 _gemm_usable: dict = {}
 
 
-def fp8_gemm_usable() -> bool:
-    """True if the native FP8 GEMM can run here: the extension is built and cuBLASLt opens (asked once)."""
+def gemm_usable() -> bool:
+    """True if the native GEMM (csrc/gemm) can run here: the extension is built, there is a GPU and
+    cuBLASLt opens (asked once; `load().gemm_unavailable_reason()` says why not)."""
     usable = _gemm_usable.get("usable")
     if usable is None:
         module = load()
-        usable = module is not None and hasattr(module, "fp8_gemm") and torch.cuda.is_available() \
-            and bool(module.fp8_gemm_available())
+        usable = module is not None and hasattr(module, "gemm") and torch.cuda.is_available() \
+            and bool(module.gemm_available())
         _gemm_usable["usable"] = usable
     return usable
+
+
+def gemm_workspace(device: torch.device, stream: int) -> torch.Tensor:
+    """The native GEMM's cuBLASLt workspace for GEMMs issued on `stream` (a cudaStream_t int)."""
+    key = (device.index, stream)
+    workspace = _gemm_workspaces.get(key)
+    if workspace is None:
+        workspace = _gemm_workspaces[key] = torch.empty(GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return workspace
 
 
 def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
@@ -285,14 +295,10 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
                          f"{_describe(accumulate) if accumulate is not None else None}, bias "
                          f"{_describe(bias) if bias is not None else None}; need FP8 a [m, k], b [n, k], out and "
                          f"accumulate [m, n] of one dtype, bias [n] of that dtype, all contiguous on one GPU")
-    device = a.device
-    guard, stream = launch_on(device)
-    key = (device.index, stream)
-    workspace = _gemm_workspaces.get(key)
-    if workspace is None:
-        workspace = _gemm_workspaces[key] = torch.empty(GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    guard, stream = launch_on(a.device)
+    workspace = gemm_workspace(a.device, stream)
     with guard:
-        module.fp8_gemm(a.data_ptr(), _DTYPES[a.dtype], b.data_ptr(), _DTYPES[b.dtype], m, n, k,
+        module.gemm(a.data_ptr(), _DTYPES[a.dtype], b.data_ptr(), _DTYPES[b.dtype], m, n, k,
                         a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
                         0 if accumulate is None else accumulate.data_ptr(), out.data_ptr(), _DTYPES[out.dtype],
                         0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(),

@@ -1,4 +1,4 @@
-// Binding of tep_fp8_gemm (csrc/include/te_parallel/gemm.h). Pointers and the stream arrive as
+// Binding of tep_gemm (csrc/include/te_parallel/gemm.h). Pointers and the stream arrive as
 // integers (0 = absent); te_parallel/_native.py checks the tensors. The GIL stays held: the call only
 // enqueues work, and releasing and re-taking it would cost more host time than the call itself.
 #include <pybind11/pybind11.h>
@@ -20,11 +20,11 @@ T* ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-void fp8_gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, long long m, long long n, long long k,
+void gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, long long m, long long n, long long k,
               std::uintptr_t scale_a, std::uintptr_t scale_b, std::uintptr_t c, std::uintptr_t d, int d_dtype,
               std::uintptr_t bias, bool fast_accum, std::uintptr_t workspace, size_t workspace_bytes,
               std::uintptr_t stream) {
-  check(tep_fp8_gemm(ptr<const void>(a), a_dtype, ptr<const void>(b), b_dtype, m, n, k, ptr<const float>(scale_a),
+  check(tep_gemm(ptr<const void>(a), a_dtype, ptr<const void>(b), b_dtype, m, n, k, ptr<const float>(scale_a),
                      ptr<const float>(scale_b), ptr<const void>(c), ptr<void>(d), d_dtype, ptr<const void>(bias),
                      fast_accum ? 1 : 0, ptr<void>(workspace), workspace_bytes, ptr<void>(stream)));
 }
@@ -32,15 +32,15 @@ void fp8_gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, long
 }  // namespace
 
 void bind_gemm(py::module_& m) {
-  m.def("fp8_gemm_available", [] { return tep_fp8_gemm_available() != 0; },
-        "True if cuBLASLt can be opened (else tep_last_error() says why: see fp8_gemm_unavailable_reason)");
-  m.def("fp8_gemm_unavailable_reason", [] { return tep_fp8_gemm_available() ? std::string() : std::string(tep_last_error()); });
-  m.def("fp8_gemm_cached_plans", &tep_fp8_gemm_cached_plans);
-  m.def("fp8_gemm", &fp8_gemm, py::arg("a"), py::arg("a_dtype"), py::arg("b"), py::arg("b_dtype"), py::arg("m"),
+  m.def("gemm_available", [] { return tep_gemm_available() != 0; },
+        "True if cuBLASLt can be opened (else tep_last_error() says why: see gemm_unavailable_reason)");
+  m.def("gemm_unavailable_reason", [] { return tep_gemm_available() ? std::string() : std::string(tep_last_error()); });
+  m.def("gemm_cached_plans", &tep_gemm_cached_plans);
+  m.def("gemm", &gemm, py::arg("a"), py::arg("a_dtype"), py::arg("b"), py::arg("b_dtype"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c"), py::arg("d"),
         py::arg("d_dtype"), py::arg("bias"), py::arg("fast_accum"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"),
-        "D[m, n] = scale_a*scale_b * A[m, k]·B[n, k]ᵀ (+ bias[n]) (+ C[m, n]) through cuBLASLt (pointers as ints)");
+        "D[m, n] = scale_a*scale_b * A[m, k]·B[n, k]ᵀ (+ bias[n]) (+ C[m, n]) through cuBLASLt (pointers as ints; scales 0 for bf16/fp16 operands)");
 }
 
 }  // namespace tep_bindings

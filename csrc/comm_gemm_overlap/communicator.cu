@@ -12,6 +12,7 @@
 
 #include "../kernels/common.h"
 #include "te_parallel/comm_gemm_overlap.h"
+#include "te_parallel/gemm.h"
 
 namespace {
 
@@ -75,6 +76,7 @@ struct tep_comm {
   std::vector<char*> bases;         // every rank's allocation as mapped here (own = local)
   WriteValue32 write_value = nullptr;
   WaitValue32 wait_value = nullptr;
+  std::vector<cudaEvent_t> events;  // reused by the fused ops (tep_comm_gemm_rs), created on first use
 };
 
 extern "C" {
@@ -163,6 +165,7 @@ tep_status tep_comm_destroy(tep_comm* comm) {
       if (peer != comm->rank && comm->bases[peer] != nullptr) cudaIpcCloseMemHandle(comm->bases[peer]);
     }
     cudaFree(comm->local);
+    for (cudaEvent_t ev : comm->events) cudaEventDestroy(ev);
     cudaGetLastError();
     if (current >= 0 && current != comm->device) cudaSetDevice(current);
     if (status != TEP_SUCCESS) tep::set_error("tep_comm_destroy: device synchronisation failed");
@@ -224,6 +227,121 @@ tep_status tep_comm_wait(tep_comm* comm, int flag, uint32_t value, void* stream)
                    flag, static_cast<int>(res));
     return TEP_ERROR_CUDA;
   }
+  return TEP_SUCCESS;
+}
+
+}  // extern "C"
+
+namespace {
+
+size_t elem_size(int dtype) {
+  switch (dtype) {
+    case TEP_FLOAT32: return 4;
+    case TEP_FLOAT16:
+    case TEP_BFLOAT16: return 2;
+    default: return 1;  // FP8
+  }
+}
+
+// Rows [row0, row0 + rows) of A times Bᵀ into d (+ c), on `stream`.
+tep_status gemm_rows(const tep_gemm_args* g, long long row0, long long rows, const void* c, void* d, int out_dtype,
+                     void* stream) {
+  const char* a = static_cast<const char*>(g->a) + row0 * g->k * static_cast<long long>(elem_size(g->a_dtype));
+  return tep_gemm(a, g->a_dtype, g->b, g->b_dtype, rows, g->n, g->k, g->scale_a, g->scale_b, c, d, out_dtype,
+                  nullptr, g->fast_accum, g->workspace, g->workspace_bytes, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
+                            void* received, size_t send_offset, size_t slot_stride, const long long* piece_starts,
+                            int num_pieces, int ready_flag, int done_flag, uint32_t value_base, void* stream,
+                            void* side_stream) {
+  if (comm == nullptr || g == nullptr || out == nullptr || m < 1 || num_pieces < 1 || num_pieces > 64 ||
+      (num_pieces > 1 && (comm->world != 2 || piece_starts == nullptr)) || (comm->world > 1 && received == nullptr)) {
+    tep::set_error("tep_comm_gemm_rs: got m=%lld num_pieces=%d world=%d%s; need m >= 1, 1..64 pieces (more than 1 "
+                   "only at world size 2, with piece_starts), out and received", m, num_pieces, comm ? comm->world : 0,
+                   comm ? "" : " (no communicator)");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (num_pieces > 1) {
+    for (int j = 0; j < num_pieces; ++j) {
+      if (piece_starts[j] >= piece_starts[j + 1] || piece_starts[0] != 0 || piece_starts[num_pieces] != m) {
+        tep::set_error("tep_comm_gemm_rs: piece_starts must rise strictly from 0 to m=%lld", m);
+        return TEP_ERROR_INVALID_ARGUMENT;
+      }
+    }
+  }
+  const int me = comm->rank, tp = comm->world;
+  const size_t row_bytes = static_cast<size_t>(g->n) * elem_size(out_dtype);
+  const size_t nbytes = static_cast<size_t>(m) * row_bytes;
+  const uint32_t last = value_base + static_cast<uint32_t>(num_pieces);
+  char* own = comm->local + send_offset;
+  char* recv = static_cast<char*>(received);
+  cudaStream_t s = static_cast<cudaStream_t>(stream), side = static_cast<cudaStream_t>(side_stream);
+  while (static_cast<int>(comm->events.size()) < num_pieces + 1) {
+    cudaEvent_t ev;
+    if (!cuda_ok(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate", me)) return TEP_ERROR_CUDA;
+    comm->events.push_back(ev);
+  }
+  tep_status st = TEP_SUCCESS;
+#define TEP_TRY(call)              \
+  do {                             \
+    st = (call);                   \
+    if (st != TEP_SUCCESS) return st; \
+  } while (0)
+  // The side stream writes `received` (fresh memory of the caller's stream): start after its work.
+  if (!cuda_ok(cudaEventRecord(comm->events[num_pieces], s), "cudaEventRecord", me) ||
+      !cuda_ok(cudaStreamWaitEvent(side, comm->events[num_pieces], 0), "cudaStreamWaitEvent", me))
+    return TEP_ERROR_CUDA;
+  if (value_base > 0) {  // every consumer finished pulling the previous op's partials out of my slots
+    for (int k = 1; k < tp; ++k) TEP_TRY(tep_comm_wait(comm, done_flag + (me + k) % tp, value_base, stream));
+  }
+  if (num_pieces == 1) {
+    for (int k = 1; k <= tp; ++k) {
+      const int d = (me + k) % tp;
+      TEP_TRY(gemm_rows(g, static_cast<long long>(d) * m, m, nullptr, own + d * slot_stride, out_dtype, stream));
+      if (d == me) break;
+      TEP_TRY(tep_comm_signal(comm, d, ready_flag + me, last, stream));
+      // Pull what rank me-k computed for me at its step k (issued after my own step k: with one
+      // hardware queue a wait blocks what is issued after it, and the peer needs my step k first).
+      const int src = (me - k + tp) % tp;
+      TEP_TRY(tep_comm_wait(comm, ready_flag + src, last, side_stream));
+      TEP_TRY(tep_comm_copy(comm, recv + (k - 1) * nbytes, comm->bases[src] + send_offset + me * slot_stride, nbytes,
+                            side_stream));
+      TEP_TRY(tep_comm_signal(comm, src, done_flag + me, last, side_stream));
+    }
+    if (!cuda_ok(cudaEventRecord(comm->events[0], side), "cudaEventRecord", me) ||
+        !cuda_ok(cudaStreamWaitEvent(s, comm->events[0], 0), "cudaStreamWaitEvent", me))
+      return TEP_ERROR_CUDA;
+    const void* parts[8];
+    if (tp > 8) {
+      tep::set_error("tep_comm_gemm_rs: world size %d; the fp32 sum takes at most 8 partials", tp);
+      return TEP_ERROR_INVALID_ARGUMENT;
+    }
+    for (int r = 0; r < tp; ++r) parts[r] = r == me ? own + me * slot_stride : recv + ((me - r + tp) % tp - 1) * nbytes;
+    return tep_reduce_sum(parts, tp, out_dtype, out, out_dtype, static_cast<size_t>(m) * g->n, stream);
+  }
+  const int peer = 1 - me;
+  for (int j = 0; j < num_pieces; ++j) {
+    const long long a = piece_starts[j], rows = piece_starts[j + 1] - a;
+    TEP_TRY(gemm_rows(g, peer * m + a, rows, nullptr, own + peer * slot_stride + a * row_bytes, out_dtype, stream));
+    TEP_TRY(tep_comm_signal(comm, peer, ready_flag + me, value_base + j + 1, stream));
+    TEP_TRY(tep_comm_wait(comm, ready_flag + peer, value_base + j + 1, side_stream));
+    TEP_TRY(tep_comm_copy(comm, recv + a * row_bytes, comm->bases[peer] + send_offset + me * slot_stride + a * row_bytes,
+                          rows * row_bytes, side_stream));
+    if (!cuda_ok(cudaEventRecord(comm->events[j], side), "cudaEventRecord", me)) return TEP_ERROR_CUDA;
+  }
+  TEP_TRY(tep_comm_signal(comm, peer, done_flag + me, last, side_stream));
+  for (int j = 0; j < num_pieces; ++j) {
+    const long long a = piece_starts[j], rows = piece_starts[j + 1] - a;
+    if (!cuda_ok(cudaStreamWaitEvent(s, comm->events[j], 0), "cudaStreamWaitEvent", me)) return TEP_ERROR_CUDA;
+    TEP_TRY(gemm_rows(g, me * m + a, rows, recv + a * row_bytes, static_cast<char*>(out) + a * row_bytes, out_dtype,
+                      stream));
+  }
+#undef TEP_TRY
   return TEP_SUCCESS;
 }
 

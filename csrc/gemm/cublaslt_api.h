@@ -1,4 +1,4 @@
-// The part of cuBLASLt's C API that tep_fp8_gemm uses, declared here because cuBLASLt is opened at run
+// The part of cuBLASLt's C API that tep_gemm uses, declared here because cuBLASLt is opened at run
 // time (dlopen) and its headers are not part of every CUDA toolkit install (the dev/CI machine has
 // none). Values are those of cublasLt.h / cublas_api.h (CUDA 12 and 13 agree on all of them); where
 // the real header is on the include path the build checks every value against it.

@@ -84,7 +84,7 @@ def fp8_mm(
         return result if out is None else out.copy_(result)
     # cuBLASLt fuses a bias only into a bf16/fp16 output; add it afterwards for fp32.
     fuse_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
-    if (accumulate is not None or NATIVE_GEMM) and _native.fp8_gemm_usable():
+    if (accumulate is not None or NATIVE_GEMM) and _native.gemm_usable():
         if out is None:
             out = torch.empty(shape, dtype=out_dtype, device=a.device)
         _native.fp8_gemm(a, _scalar_f32(a_scale_inv), b.t(), _scalar_f32(b_scale_inv), out, accumulate,

@@ -175,7 +175,7 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
         y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False)[0]
     elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
         fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc)  # noqa: E731
-        y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype)
+        y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, w=w_used)
     else:
         x_used = _gather(x_local, par.group)[0] if regather else x_local
         y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from te_parallel import _native
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
 
@@ -97,13 +98,38 @@ def rs_pieces(tp: int, m: int) -> int:
     return max(1, min(RS_PIECES, m // RS_MIN_PIECE_ROWS)) if tp == 2 else 1
 
 
-def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out_dtype: torch.dtype) -> torch.Tensor:
+# The whole GEMM + reduce-scatter schedule is enqueued by one native call (tep_comm_gemm_rs) where it
+# can be: IPC transport, cuBLASLt opened, the weight given. Issued step by step from Python the
+# schedule costs ~0.1 ms of host time per GEMM (four pieces: more than the GPU time of the op).
+NATIVE_SCHEDULE = True
+
+
+def _native_operands(a: Operand, w: Operand, out_dtype: torch.dtype):
+    """(a, a_scale_inv, w, w_scale_inv) as tep_gemm takes them, or None where it cannot."""
+    if isinstance(a, Float8Tensor) and isinstance(w, Float8Tensor):
+        if a.data.is_contiguous() and w.data.is_contiguous() and a.data.shape[1] == w.data.shape[1]:
+            return a.data, gemm._scalar_f32(a.scale_inv), w.data, gemm._scalar_f32(w.scale_inv)
+        return None
+    if (isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and not isinstance(a, Float8Tensor)
+            and a.dtype == w.dtype and a.dtype in (torch.bfloat16, torch.float16) and out_dtype in (a.dtype, torch.float32)
+            and a.is_contiguous() and w.is_contiguous() and a.dim() == 2 and w.dim() == 2 and a.shape[1] == w.shape[1]):
+        return a, None, w, None
+    return None
+
+
+def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out_dtype: torch.dtype,
+            w: Optional[Operand] = None) -> torch.Tensor:
     """[m, n_out]: this rank's rows of sum over ranks of A·B, computed by destination chunk.
-    gemm_into(a_rows, out, accumulate=None) writes a_rows·B (+ accumulate) into out."""
+    gemm_into(a_rows, out, accumulate=None) writes a_rows·B (+ accumulate) into out; w: B's weight
+    [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call)."""
     tp, me = ub.tp_size, ub.rank
     rows = _bytes(a_full).shape[0]
     m = rows // tp
     device = _bytes(a_full).device
+    if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
+        ops = _native_operands(a_full, w, out_dtype)
+        if ops is not None:
+            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m), gemm.FPROP_FAST_ACCUM)
     rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m))
     if len(rs.pieces) > 1:  # TP=2 (rs_pieces): the peer's partial in pieces, then the own one adds them
         peer = 1 - me

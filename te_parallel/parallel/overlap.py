@@ -128,6 +128,13 @@ class CommOverlap:
         self.counts["reduce_scatter"] += 1
         return self.transport.reduce_scatter(rows, cols, dtype, device, pieces)
 
+    def gemm_rs(self, a: torch.Tensor, a_scale_inv, b: torch.Tensor, b_scale_inv, out_dtype: torch.dtype,
+                pieces: int, fast_accum: bool = False) -> torch.Tensor:
+        """Row-parallel GEMM + reduce-scatter in one native call (IPC transport; see IpcTransport.gemm_rs)."""
+        self._check_not_capturing("reduce-scatter")
+        self.counts["reduce_scatter"] += 1
+        return self.transport.gemm_rs(a, a_scale_inv, b, b_scale_inv, out_dtype, pieces, fast_accum)
+
     def destroy(self) -> None:
         """Free the shared buffers. Collective: every rank first finishes its GPU work and waits for the
         others, since a peer may still be signalling into this rank's flags after this rank is done."""

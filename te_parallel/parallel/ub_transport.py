@@ -32,6 +32,7 @@ from te_parallel import _native
 
 AG, RS = 0, 1  # channels: all-gather (one chunk region) and reduce-scatter (tp chunk regions)
 _TEP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_GEMM_DTYPES = {**_TEP_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
@@ -126,6 +127,33 @@ class IpcTransport:
 
     def reduce_scatter(self, rows: int, cols: int, dtype: torch.dtype, device, pieces: int = 1) -> "IpcReduceScatter":
         return IpcReduceScatter(self, rows, cols, dtype, pieces)
+
+    def gemm_rs(self, a: torch.Tensor, a_scale_inv: Optional[torch.Tensor], b: torch.Tensor,
+                b_scale_inv: Optional[torch.Tensor], out_dtype: torch.dtype, pieces: int,
+                fast_accum: bool = False) -> torch.Tensor:
+        """Row-parallel GEMM + reduce-scatter in one native call (tep_comm_gemm_rs): the [m, n] sum over
+        ranks of a[rows of me]·bᵀ. a [tp·m, k], b [n, k]: contiguous, both FP8 (with their scale_inv)
+        or both bf16/fp16. Same flags and values as IpcReduceScatter, so the two can alternate."""
+        rows, k = a.shape
+        n = b.shape[0]
+        m = rows // self.tp
+        nbytes = _check_scatter(self, rows, n, out_dtype)
+        spans = row_pieces(m, pieces) if pieces > 1 else [(0, m)]
+        base = self.seq[RS]
+        self.seq[RS] += len(spans)
+        stream = _current(self.device)
+        out = torch.empty((m, n), dtype=out_dtype, device=self.device)
+        received = torch.empty((self.tp - 1, m, n), dtype=out_dtype, device=self.device)
+        workspace = _native.gemm_workspace(self.device, stream)
+        starts = [r for r, _ in spans] + [m] if len(spans) > 1 else []
+        self.comm.gemm_rs(a.data_ptr(), _GEMM_DTYPES[a.dtype], b.data_ptr(), _GEMM_DTYPES[b.dtype],
+                          0 if a_scale_inv is None else a_scale_inv.data_ptr(),
+                          0 if b_scale_inv is None else b_scale_inv.data_ptr(), k, n, fast_accum,
+                          workspace.data_ptr(), workspace.numel(), m, _GEMM_DTYPES[out_dtype], out.data_ptr(),
+                          received.data_ptr(), self.offsets[RS], -(-nbytes // 256) * 256, starts,
+                          self._ready(RS, 0), self._done(RS, 0), base, stream, self.raw[RS])
+        received.record_stream(self.streams[RS])  # (the copies write it there)
+        return out
 
     def close(self) -> None:
         self.own = None

@@ -173,23 +173,57 @@ def _pieced_primitives(rank, world, group, device, ub):
 
 def _pieced_linear(rank, world, group, device, ub):
     """The row-parallel Linear cases again with pieces short enough to run gemm_rs's TP=2 pieced
-    schedule at these sizes (64 rows per rank: 4 pieces of 16 rows), checking that it ran."""
+    schedule at these sizes (64 rows per rank: 4 pieces of 16 rows), issued by the native call and
+    from Python, checking which ran."""
+    from te_parallel import _native
     from te_parallel.ops import linear_overlap
     from te_parallel.parallel import ub_transport
 
     calls = []
-    finish = ub_transport.IpcReduceScatter.finish_accumulated
-    old = linear_overlap.RS_MIN_PIECE_ROWS
-    ub_transport.IpcReduceScatter.finish_accumulated = lambda self, out: calls.append(len(self.pieces)) or finish(self, out)
+    finish, native = ub_transport.IpcReduceScatter.finish_accumulated, ub_transport.IpcTransport.gemm_rs
+    saved = linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE
+    ub_transport.IpcReduceScatter.finish_accumulated = lambda self, out: calls.append(("python", len(self.pieces))) \
+        or finish(self, out)
+    ub_transport.IpcTransport.gemm_rs = lambda self, *a: calls.append(("native", a[5])) or native(self, *a)
     linear_overlap.RS_MIN_PIECE_ROWS = 16
     try:
-        for bias in (False, True):
-            for rec in ("off", "delayed", "current"):
-                _linear_case("row", bias, rec, rank, world, group, device, ub, seq=64)
+        for schedule in (True, False):
+            linear_overlap.NATIVE_SCHEDULE = schedule
+            for bias in (False, True):
+                for rec in ("off", "delayed", "current"):
+                    _linear_case("row", bias, rec, rank, world, group, device, ub, seq=64)
     finally:
-        linear_overlap.RS_MIN_PIECE_ROWS = old
-        ub_transport.IpcReduceScatter.finish_accumulated = finish
-    assert calls == [4] * 6, calls  # one pieced reduce-scatter per forward
+        linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE = saved
+        ub_transport.IpcReduceScatter.finish_accumulated, ub_transport.IpcTransport.gemm_rs = finish, native
+    first = "native" if _native.gemm_usable() else "python"
+    assert calls == [(first, 4)] * 6 + [("python", 4)] * 6, calls  # one pieced reduce-scatter per forward
+
+
+def _native_rs_whole(rank, world, group, device, ub):
+    """The native schedule with whole partials (any TP: the fp32 sum pass) against NCCL, FP8 and bf16."""
+    from te_parallel import _native
+    from te_parallel.ops.cast import quantize_current
+
+    if not _native.gemm_usable():
+        return
+    gen = torch.Generator().manual_seed(5)
+    a_all = torch.randn(world, 64 * world, 96, generator=gen)
+    w_all = torch.randn(world, 48, 96, generator=gen)
+    a, w = a_all[rank].to(device), w_all[rank].to(device)
+    for fp8 in (False, True):
+        if fp8:
+            aq, wq = quantize_current(a, torch.float8_e4m3fn), quantize_current(w, torch.float8_e4m3fn)
+            ops = (aq.data, aq.scale_inv, wq.data, wq.scale_inv)
+            part = (aq.data.float() * aq.scale_inv.float()) @ (wq.data.float() * wq.scale_inv.float()).t()
+        else:
+            ops = (a.to(torch.bfloat16), None, w.to(torch.bfloat16), None)
+            part = ops[0].float() @ ops[2].float().t()
+        for _ in range(2):  # twice: the flags of the second op build on the first
+            got = ub.gemm_rs(*ops, torch.bfloat16, pieces=1)
+        want = torch.empty(64, 48, device=device)
+        dist.reduce_scatter_tensor(want, part.contiguous(), group=group)
+        err, top = (got.float() - want).abs().max().item(), want.abs().max().item()
+        assert err <= 2e-2 * top, f"native gemm_rs fp8={fp8}: max diff {err:.3g} (max |ref| {top:.3g})"
 
 
 def _suite(rank, world, device):
@@ -205,6 +239,8 @@ def _suite(rank, world, device):
     if ub.transport_name == "ipc" and world == 2:
         checks.run("pieced reduce-scatter", _pieced_primitives, rank, world, group, device, ub)
         checks.run("pieced Linear row", _pieced_linear, rank, world, group, device, ub)
+    if ub.transport_name == "ipc":
+        checks.run("native gemm_rs, whole partials", _native_rs_whole, rank, world, group, device, ub)
     for mode in ("column", "row"):
         for bias in (False, True):
             for rec in ("off", "delayed", "current"):

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("needs compute capability >= 8.9 for FP8", allow_module_level=True)
-if not _native.fp8_gemm_usable():
+if not _native.gemm_usable():
     pytest.skip("te_parallel._C is absent or cuBLASLt did not open", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,11 +32,12 @@ def _q(shape, dtype, seed, mag=1.0):
     return quantize_current(torch.randn(*shape, device="cuda", generator=g) * mag, dtype)
 
 
-def _close(got, want, dtype, ulps=1.0):
-    """Within `ulps` units of the output dtype's rounding, relative to each element (plus a floor
-    relative to the tensor's largest, for elements near zero)."""
+def _close(got, want, dtype, ulps=1.0, scale=None):
+    """Within `ulps` units of the output dtype's rounding, relative to each element (or to `scale`,
+    the magnitude of what was summed, where terms cancel), plus a floor relative to the largest."""
     err = (got.double() - want.double()).abs()
-    bound = ulps * ULP[dtype] * (want.double().abs() + 1e-3 * want.double().abs().max())
+    mag = want.double().abs() if scale is None else scale.double()
+    bound = ulps * ULP[dtype] * (mag + 1e-3 * want.double().abs().max())
     bad = (err > bound).sum().item()
     assert bad == 0, f"{bad} elements differ by more than {ulps} ulp (max {err.max().item():.3g})"
 
@@ -68,7 +69,8 @@ def test_accumulate_is_one_rounding(out_dtype, fast_accum):
     _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=c, fast_accum=fast_accum)
     acc32 = torch.empty(m, n, device="cuda")
     _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, acc32, fast_accum=fast_accum)
-    _close(out, (acc32.double() + c.double()).to(out_dtype), out_dtype)
+    # fp32 D: both sides round the fp32 sum once, the reference's addend acc32 once more
+    _close(out, (acc32.double() + c.double()).to(out_dtype), out_dtype, scale=acc32.abs() + c.abs())
     exact = (a.data.double() * a.scale_inv.double()) @ (b.data.double() * b.scale_inv.double()).t() + c.double()
     rel = ((out.double() - exact).norm() / exact.norm()).item()
     assert rel < 4 * ULP[out_dtype] + 1e-5, rel
@@ -93,12 +95,12 @@ def test_plans_are_cached():
     a, b = _q((32, 64), E4, 5), _q((48, 64), E4, 6)
     out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
     _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
-    before = _native.load().fp8_gemm_cached_plans()
+    before = _native.load().gemm_cached_plans()
     for _ in range(3):
         _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
-    assert _native.load().fp8_gemm_cached_plans() == before
+    assert _native.load().gemm_cached_plans() == before
     _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
-    assert _native.load().fp8_gemm_cached_plans() == before + 1  # C changes the plan
+    assert _native.load().gemm_cached_plans() == before + 1  # C changes the plan
 
 
 def test_bad_arguments_fail_with_one_line():
@@ -106,10 +108,10 @@ def test_bad_arguments_fail_with_one_line():
     out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
     module = _native.load()
     with pytest.raises(RuntimeError, match="m=8 n=48 k=64; need each >= 16 and a multiple of 16"):
-        module.fp8_gemm(a.data_ptr(), 3, b.data_ptr(), 3, 8, 48, 64, a.scale_inv.data_ptr(), b.scale_inv.data_ptr(),
+        module.gemm(a.data_ptr(), 3, b.data_ptr(), 3, 8, 48, 64, a.scale_inv.data_ptr(), b.scale_inv.data_ptr(),
                         0, out.data_ptr(), 2, 0, False, 0, 0, 0)
-    with pytest.raises(RuntimeError, match="need FP8 E4M3/E5M2 operands, not both E5M2"):
-        module.fp8_gemm(a.data_ptr(), 4, b.data_ptr(), 4, 32, 48, 64, a.scale_inv.data_ptr(), b.scale_inv.data_ptr(),
+    with pytest.raises(RuntimeError, match=r"need FP8 E4M3/E5M2 operands \(not both E5M2\), or both bf16"):
+        module.gemm(a.data_ptr(), 4, b.data_ptr(), 4, 32, 48, 64, a.scale_inv.data_ptr(), b.scale_inv.data_ptr(),
                         0, out.data_ptr(), 2, 0, False, 0, 0, 0)
     with pytest.raises(ValueError, match=r"fp8_gemm: got a .*need FP8 a \[m, k\], b \[n, k\]"):
         _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
@@ -145,8 +147,8 @@ def test_unopenable_cublaslt_says_why_and_accumulate_falls_back():
     code = (
         "import torch; from te_parallel import _native; from te_parallel.ops import gemm;"
         "from te_parallel.ops.cast import quantize_current as q;"
-        "assert not _native.fp8_gemm_usable();"
-        "print(_native.load().fp8_gemm_unavailable_reason());"
+        "assert not _native.gemm_usable();"
+        "print(_native.load().gemm_unavailable_reason());"
         "a = q(torch.randn(32, 64, device='cuda'), torch.float8_e4m3fn);"
         "c = torch.ones(32, 32, device='cuda', dtype=torch.bfloat16);"
         "y = gemm.fprop(a, a, torch.bfloat16, accumulate=c);"
@@ -157,3 +159,21 @@ def test_unopenable_cublaslt_says_why_and_accumulate_falls_back():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cannot open cuBLASLt (TE_PARALLEL_CUBLASLT=/nonexistent/libcublasLt.so)" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_high_precision_operands(dtype, out_fp32):
+    """bf16 / fp16 operands (no scales), as comm-GEMM overlap's fused schedule calls them."""
+    m, k, n = 272, 192, 80
+    a = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, k, device="cuda").to(dtype)
+    c = torch.randn(m, n, device="cuda").to(torch.float32 if out_fp32 else dtype)
+    out = torch.full_like(c, float("nan"))
+    stream = torch.cuda.current_stream().cuda_stream
+    ws = _native.gemm_workspace(a.device, stream)
+    code = {torch.bfloat16: 2, torch.float16: 1, torch.float32: 0}
+    _native.load().gemm(a.data_ptr(), code[dtype], b.data_ptr(), code[dtype], m, n, k, 0, 0, c.data_ptr(),
+                        out.data_ptr(), code[out.dtype], 0, False, ws.data_ptr(), ws.numel(), stream)
+    want = (a.double() @ b.double().t() + c.double())
+    _close(out, want.to(out.dtype), out.dtype, ulps=16.0 if out_fp32 else 2.0, scale=(a.double().abs() @ b.double().abs().t()) + c.abs())

@@ -67,6 +67,44 @@ TEP_API tep_status tep_comm_wait(tep_comm* comm, int flag, uint32_t value, void*
 TEP_API tep_status tep_reduce_sum(const void* const* inputs, int num_inputs, int in_dtype, void* out,
                                   int out_dtype, size_t numel, void* stream);
 
+/* The GEMM of an overlapped op, as tep_gemm takes it (te_parallel/gemm.h): A [rows, k] holds every
+ * chunk's rows, row-major; B [n, k] is the weight. scale_a / scale_b for FP8 operands only. */
+typedef struct {
+  const void* a;
+  int a_dtype;
+  const void* b;
+  int b_dtype;
+  const float* scale_a;
+  const float* scale_b;
+  long long k;
+  long long n;
+  int fast_accum;
+  void* workspace;
+  size_t workspace_bytes;
+} tep_gemm_args;
+
+/*
+ * Row-parallel GEMM + reduce-scatter in one call (the whole schedule is enqueued without returning to
+ * the caller between steps, which a host-bound layer needs):
+ *   out [m, n] = sum over ranks r of rank r's A[me*m : (me+1)*m] · Bᵀ
+ * This rank computes the partial for destination d = me+1, me+2, ..., me (own last) into its shared
+ * buffer at send_offset + d*slot_stride, signals d's ready flag, and pulls what each peer computed for
+ * it with the copy engine on side_stream, signalling that peer's done flag after its last pull. Flags:
+ * ready_flag + src and done_flag + src; this op's values are value_base+1 .. value_base+num_pieces and
+ * it first waits until every peer's done flag reached value_base (the previous op's pulls are over).
+ *   num_pieces == 1: whole partials; the tp partials are summed in fp32, in rank order, into out.
+ *   num_pieces > 1 (world_size 2 only): the peer's partial is written and pulled in row pieces
+ *     [piece_starts[j], piece_starts[j+1]) (num_pieces+1 entries from 0 to m), each pulled while the
+ *     next is computed; the own partial's GEMM for piece j adds the pulled piece as its C input (one
+ *     rounding), so there is no separate sum.
+ * received: [world_size-1, m, n] of out_dtype, written on side_stream (keep it alive until `stream`
+ * has finished this op). side_stream first waits for the work already on `stream`.
+ */
+TEP_API tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
+                                    void* received, size_t send_offset, size_t slot_stride,
+                                    const long long* piece_starts, int num_pieces, int ready_flag, int done_flag,
+                                    uint32_t value_base, void* stream, void* side_stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,11 +1,12 @@
 /*
- * te_parallel FP8 GEMM: one cuBLASLt matmul with the epilogues torch._scaled_mm lacks.
+ * te_parallel GEMM: one cuBLASLt matmul (FP8, or bf16/fp16) with the epilogue torch._scaled_mm lacks.
  *
  * Row-major, the layout of a linear layer (A = activations, B = weight):
  *   D[m, n] = scale_a[0] * scale_b[0] * (A[m, k] · B[n, k]ᵀ)  (+ bias[n])  (+ C[m, n])
  * accumulated in fp32; C is added in the fp32 epilogue and D rounded once. The C term is what
  * comm-GEMM overlap needs: the owner of a reduce-scatter chunk adds the partial it received while
- * its own partial is computed, so no separate pass sums them.
+ * its own partial is computed, so no separate pass sums them (tep_comm_gemm_rs). The scales are
+ * FP8's only.
  *
  * cuBLASLt is not linked: it is opened at run time from the process (torch has loaded it) or by name
  * (libcublasLt.so.13, .so.12, .so; TE_PARALLEL_CUBLASLT=<path> overrides), so the library still
@@ -24,23 +25,24 @@ extern "C" {
 #endif
 
 /* 1 if cuBLASLt could be opened (loads it on first call), else 0 with the reason in tep_last_error(). */
-TEP_API int tep_fp8_gemm_available(void);
+TEP_API int tep_gemm_available(void);
 
 /*
- * a: [m, k] FP8 (a_dtype TEP_FLOAT8_E4M3/E5M2), b: [n, k] FP8 (b_dtype), both row-major contiguous and
- * not both E5M2. m, n, k >= 16 and multiples of 16. scale_a, scale_b: device fp32 scalars (the
- * operands' scale_inv). d: [m, n] row-major of d_dtype (TEP_FLOAT32/FLOAT16/BFLOAT16). c: NULL or
- * [m, n] of d_dtype (may equal d). bias: NULL or [n] of d_dtype, fp16/bf16 d only. fast_accum: 1 for
- * cuBLASLt's FAST_ACCUM. workspace: device memory of workspace_bytes (4 MiB or more recommended),
- * used by no other work in flight. Asynchronous on `stream` (the caller's current device).
+ * a: [m, k], b: [n, k], both row-major contiguous: FP8 (a_dtype/b_dtype TEP_FLOAT8_E4M3/E5M2, not both
+ * E5M2; m, n, k multiples of 16; scale_a, scale_b device fp32 scalars, the operands' scale_inv) or
+ * both bf16 / both fp16 (scales NULL; d of the same dtype or fp32). d: [m, n] row-major of d_dtype
+ * (TEP_FLOAT32/FLOAT16/BFLOAT16). c: NULL or [m, n] of d_dtype (may equal d). bias: NULL or [n] of
+ * d_dtype, fp16/bf16 d only. fast_accum: 1 for cuBLASLt's FAST_ACCUM (FP8). workspace: device memory
+ * of workspace_bytes (4 MiB or more recommended), used by no other work in flight. Asynchronous on
+ * `stream` (the caller's current device).
  */
-TEP_API tep_status tep_fp8_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
+TEP_API tep_status tep_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
                                 long long k, const float* scale_a, const float* scale_b, const void* c, void* d,
                                 int d_dtype, const void* bias, int fast_accum, void* workspace,
                                 size_t workspace_bytes, void* stream);
 
 /* Number of cached plans (descriptors + algorithm), for tests. */
-TEP_API long long tep_fp8_gemm_cached_plans(void);
+TEP_API long long tep_gemm_cached_plans(void);
 
 #ifdef __cplusplus
 } /* extern "C" */

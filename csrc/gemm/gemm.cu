@@ -1,4 +1,4 @@
-// tep_fp8_gemm: an FP8 cuBLASLt matmul with cached plans (csrc/include/te_parallel/gemm.h).
+// tep_gemm: a cuBLASLt matmul (FP8, or bf16/fp16) with cached plans (csrc/include/te_parallel/gemm.h).
 //
 // Row-major D[m, n] = A[m, k] · B[n, k]ᵀ is column-major Dᵀ[n, m] = Bᵀ · A, so cuBLASLt's first operand
 // is our B (stored [k, n] column-major, used transposed) and its second our A ([k, m], not transposed):
@@ -101,7 +101,7 @@ const char* status_text(tep_lt::Status s) {
 
 bool lt_ok(tep_lt::Status s, const char* what) {
   if (s == tep_lt::kSuccess) return true;
-  tep::set_error("tep_fp8_gemm: %s failed: %s (%d)", what, status_text(s), s);
+  tep::set_error("tep_gemm: %s failed: %s (%d)", what, status_text(s), s);
   return false;
 }
 
@@ -147,13 +147,14 @@ bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cud
                cudaDataType_t d_t, bool has_c, bool has_bias, bool fast_accum, const int align[4],
                size_t workspace_bytes, Plan* plan) {
   Plan p;
+  const bool fp8 = a_t == CUDA_R_8F_E4M3 || a_t == CUDA_R_8F_E5M2;
   int32_t op_t = tep_lt::kOpT, op_n = tep_lt::kOpN;
   int8_t fast = fast_accum ? 1 : 0;
   uint32_t epilogue = has_bias ? tep_lt::kEpilogueBias : tep_lt::kEpilogueDefault;
   bool ok = lt_ok(g_api.desc_create(&p.desc, tep_lt::kCompute32F, CUDA_R_32F), "cublasLtMatmulDescCreate") &&
             lt_ok(g_api.desc_set(p.desc, tep_lt::kDescTransA, &op_t, sizeof(op_t)), "set TRANSA") &&
             lt_ok(g_api.desc_set(p.desc, tep_lt::kDescTransB, &op_n, sizeof(op_n)), "set TRANSB") &&
-            lt_ok(g_api.desc_set(p.desc, tep_lt::kDescFastAccum, &fast, sizeof(fast)), "set FAST_ACCUM") &&
+            (!fp8 || lt_ok(g_api.desc_set(p.desc, tep_lt::kDescFastAccum, &fast, sizeof(fast)), "set FAST_ACCUM")) &&
             lt_ok(g_api.desc_set(p.desc, tep_lt::kDescEpilogue, &epilogue, sizeof(epilogue)), "set EPILOGUE");
   if (ok && has_bias) {
     int32_t bias_t = static_cast<int32_t>(d_t);
@@ -179,7 +180,7 @@ bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cud
     ok = lt_ok(g_api.heuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &returned),
                "cublasLtMatmulAlgoGetHeuristic");
     if (ok && (returned < 1 || result.state != tep_lt::kSuccess)) {
-      tep::set_error("tep_fp8_gemm: cuBLASLt has no algorithm for m=%lld n=%lld k=%lld (A %d, B %d, D %d, C %s, "
+      tep::set_error("tep_gemm: cuBLASLt has no algorithm for m=%lld n=%lld k=%lld (A %d, B %d, D %d, C %s, "
                      "bias %s)", m, n, k, static_cast<int>(a_t), static_cast<int>(b_t), static_cast<int>(d_t),
                      has_c ? "yes" : "no", has_bias ? "yes" : "no");
       ok = false;
@@ -199,50 +200,60 @@ bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cud
 
 extern "C" {
 
-int tep_fp8_gemm_available(void) {
+int tep_gemm_available(void) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!load_locked()) {
-    tep::set_error("tep_fp8_gemm: %s", g_load_error);
+    tep::set_error("tep_gemm: %s", g_load_error);
     return 0;
   }
   return 1;
 }
 
-long long tep_fp8_gemm_cached_plans(void) {
+long long tep_gemm_cached_plans(void) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return static_cast<long long>(g_plans.size());
 }
 
-tep_status tep_fp8_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n, long long k,
+tep_status tep_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n, long long k,
                         const float* scale_a, const float* scale_b, const void* c, void* d, int d_dtype,
                         const void* bias, int fast_accum, void* workspace, size_t workspace_bytes, void* stream) {
   bool a_fp8 = a_dtype == TEP_FLOAT8_E4M3 || a_dtype == TEP_FLOAT8_E5M2;
   bool b_fp8 = b_dtype == TEP_FLOAT8_E4M3 || b_dtype == TEP_FLOAT8_E5M2;
-  if (!a_fp8 || !b_fp8 || (a_dtype == TEP_FLOAT8_E5M2 && b_dtype == TEP_FLOAT8_E5M2)) {
-    tep::set_error("tep_fp8_gemm: a_dtype=%d, b_dtype=%d; need FP8 E4M3/E5M2 operands, not both E5M2", a_dtype,
-                   b_dtype);
+  bool fp8 = a_fp8 && b_fp8 && !(a_dtype == TEP_FLOAT8_E5M2 && b_dtype == TEP_FLOAT8_E5M2);
+  bool high = !a_fp8 && a_dtype == b_dtype && (a_dtype == TEP_BFLOAT16 || a_dtype == TEP_FLOAT16);
+  if (!fp8 && !high) {
+    tep::set_error("tep_gemm: a_dtype=%d, b_dtype=%d; need FP8 E4M3/E5M2 operands (not both E5M2), or both "
+                   "bf16 / both fp16", a_dtype, b_dtype);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (high && d_dtype != TEP_FLOAT32 && d_dtype != a_dtype) {
+    tep::set_error("tep_gemm: %s operands give a %s or fp32 D; got d_dtype=%d", a_dtype == TEP_BFLOAT16 ? "bf16" : "fp16",
+                   a_dtype == TEP_BFLOAT16 ? "bf16" : "fp16", d_dtype);
     return TEP_ERROR_INVALID_ARGUMENT;
   }
   if (d_dtype != TEP_FLOAT32 && d_dtype != TEP_FLOAT16 && d_dtype != TEP_BFLOAT16) {
-    tep::set_error("tep_fp8_gemm: d_dtype=%d; need TEP_FLOAT32, TEP_FLOAT16 or TEP_BFLOAT16", d_dtype);
+    tep::set_error("tep_gemm: d_dtype=%d; need TEP_FLOAT32, TEP_FLOAT16 or TEP_BFLOAT16", d_dtype);
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  if (m < 16 || n < 16 || k < 16 || m % 16 || n % 16 || k % 16) {
-    tep::set_error("tep_fp8_gemm: m=%lld n=%lld k=%lld; need each >= 16 and a multiple of 16", m, n, k);
+  if (fp8 ? (m < 16 || n < 16 || k < 16 || m % 16 || n % 16 || k % 16) : (m < 1 || n < 1 || k < 1)) {
+    tep::set_error("tep_gemm: m=%lld n=%lld k=%lld; need each %s", m, n, k,
+                   fp8 ? ">= 16 and a multiple of 16 (FP8)" : ">= 1");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  if (!a || !b || !d || !scale_a || !scale_b || (workspace_bytes && !workspace)) {
-    tep::set_error("tep_fp8_gemm: a, b, d, scale_a, scale_b (and workspace when workspace_bytes > 0) must be set");
+  if (!a || !b || !d || (fp8 && (!scale_a || !scale_b)) || (!fp8 && (scale_a || scale_b)) ||
+      (workspace_bytes && !workspace)) {
+    tep::set_error("tep_gemm: a, b, d (and workspace when workspace_bytes > 0) must be set, and scale_a, scale_b "
+                   "for FP8 operands only");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
   if (bias && d_dtype == TEP_FLOAT32) {
-    tep::set_error("tep_fp8_gemm: a bias needs an fp16/bf16 D (cuBLASLt's FP8 kernels take no bias with fp32 D)");
+    tep::set_error("tep_gemm: a bias needs an fp16/bf16 D (cuBLASLt's FP8 kernels take no bias with fp32 D)");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
     cudaGetLastError();
-    tep::set_error("tep_fp8_gemm: no current CUDA device");
+    tep::set_error("tep_gemm: no current CUDA device");
     return TEP_ERROR_CUDA;
   }
   cudaDataType_t a_t, b_t, d_t;
@@ -252,7 +263,7 @@ tep_status tep_fp8_gemm(const void* a, int a_dtype, const void* b, int b_dtype, 
 
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!load_locked()) {
-    tep::set_error("tep_fp8_gemm: %s", g_load_error);
+    tep::set_error("tep_gemm: %s", g_load_error);
     return TEP_ERROR_CUDA;
   }
   tep_lt::Handle& handle = g_handles[device];
@@ -274,8 +285,8 @@ tep_status tep_fp8_gemm(const void* a, int a_dtype, const void* b, int b_dtype, 
   Plan& p = it->second;
   // The per-call pointers live in the descriptor; the lock keeps another thread from changing them
   // between these calls and the launch.
-  if (!lt_ok(g_api.desc_set(p.desc, tep_lt::kDescAScalePointer, &scale_b, sizeof(scale_b)), "set A_SCALE_POINTER") ||
-      !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBScalePointer, &scale_a, sizeof(scale_a)), "set B_SCALE_POINTER"))
+  if (fp8 && (!lt_ok(g_api.desc_set(p.desc, tep_lt::kDescAScalePointer, &scale_b, sizeof(scale_b)), "set A_SCALE_POINTER") ||
+              !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBScalePointer, &scale_a, sizeof(scale_a)), "set B_SCALE_POINTER")))
     return TEP_ERROR_CUDA;
   if (bias && !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBiasPointer, &bias, sizeof(bias)), "set BIAS_POINTER"))
     return TEP_ERROR_CUDA;
