@@ -86,11 +86,11 @@ def ag_cases(ub, group, rank, tp, m, k, n, use_fp8):
         ov.fprop_into(gathered, wq, None, out)
 
     def overlapped():
-        ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False)
+        ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False, w=wq)
 
     y_ref = torch.empty_like(out)
     ov.fprop_into(x_full_op, wq, None, y_ref)
-    y = ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False)[0]
+    y = ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False, w=wq)[0]
     assert torch.equal(y, y_ref), "overlapped AG+GEMM differs from gather-then-GEMM"
     return gemm_alone, sequential, overlapped, lambda: _ag_timeline(ub, xq, wq, n, rank, tp)
 
@@ -270,19 +270,22 @@ def main() -> None:
                          "sequential_x": t_seq / t_alone, "overlap_x": t_ovl / t_alone,
                          "overlap_synced_ms": _synced(ovl), "seq_synced_ms": _synced(seq),
                          "overlap_host_us": _host_us(ovl), "seq_host_us": _host_us(seq)})
-            if kind == "GEMM+RS" and tp == 2:  # the pieced schedule against other piece counts / none
-                variants = [(1, True, "1 piece (fp32 sum pass)"), (2, True, "2 pieces"), (8, True, "8 pieces"),
-                            (ov.RS_PIECES, False, f"{ov.RS_PIECES} pieces issued from Python")]
-                for pieces, native, name in variants:
-                    saved = ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.NATIVE_SCHEDULE
-                    ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS = pieces, (1 << 30 if pieces == 1 else 16)
-                    ov.NATIVE_SCHEDULE = native
-                    try:
-                        rows.append({"case": f"{label}, {name}", "gemm_alone_ms": t_alone,
-                                     "overlap_ms": (t := _timed(ovl)), "overlap_x": t / t_alone,
-                                     "overlap_synced_ms": _synced(ovl), "overlap_host_us": _host_us(ovl)})
-                    finally:
-                        ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.NATIVE_SCHEDULE = saved
+            # The schedule's variants, same run: (pieces, own pieces per GEMM, native call), RS at TP=2
+            variants = [(ov.RS_PIECES, ov.RS_OWN_GROUP, False)]
+            if kind == "GEMM+RS" and tp == 2:
+                variants += [(1, 1, True), (2, 1, True), (4, 1, True), (4, 2, True), (8, 2, True), (8, 4, True)]
+            for pieces, group, native in variants:
+                saved = ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE
+                ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS = pieces, (1 << 30 if pieces == 1 else 16)
+                ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE = group, native
+                name = ("issued step by step from Python" if not native else
+                        "1 piece (fp32 sum pass)" if pieces == 1 else f"{pieces} pieces, own GEMM per {group}")
+                try:
+                    rows.append({"case": f"{label}, {name}", "gemm_alone_ms": t_alone,
+                                 "overlap_ms": (t := _timed(ovl)), "overlap_x": t / t_alone,
+                                 "overlap_synced_ms": _synced(ovl), "overlap_host_us": _host_us(ovl)})
+                finally:
+                    ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE = saved
             for _ in range(3):  # the last of three (warm clocks and caches)
                 spans = timeline()
             timelines.append((label, spans))

@@ -75,19 +75,35 @@ class Communicator {
   void wait(int flag, uint32_t value, std::uintptr_t stream) {
     check(tep_comm_wait(live(), flag, value, reinterpret_cast<void*>(stream)));
   }
-  // The GIL stays held: the call only enqueues work (a few dozen launches and stream operations).
+  static tep_gemm_args args(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
+                            std::uintptr_t scale_b, long long k, long long n, std::uintptr_t bias, bool fast_accum,
+                            std::uintptr_t workspace, size_t workspace_bytes) {
+    return tep_gemm_args{reinterpret_cast<const void*>(a), a_dtype, reinterpret_cast<const void*>(b), b_dtype,
+                         reinterpret_cast<const float*>(scale_a), reinterpret_cast<const float*>(scale_b), k, n,
+                         reinterpret_cast<const void*>(bias), fast_accum ? 1 : 0, reinterpret_cast<void*>(workspace),
+                         workspace_bytes};
+  }
+  // The GIL stays held in the fused ops: they only enqueue work (a few dozen launches and stream operations).
   void gemm_rs(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
                std::uintptr_t scale_b, long long k, long long n, bool fast_accum, std::uintptr_t workspace,
                size_t workspace_bytes, long long m, int out_dtype, std::uintptr_t out, std::uintptr_t received,
-               size_t send_offset, size_t slot_stride, const std::vector<long long>& piece_starts, int ready_flag,
-               int done_flag, uint32_t value_base, std::uintptr_t stream, std::uintptr_t side_stream) {
-    tep_gemm_args g{reinterpret_cast<const void*>(a), a_dtype, reinterpret_cast<const void*>(b), b_dtype,
-                    reinterpret_cast<const float*>(scale_a), reinterpret_cast<const float*>(scale_b), k, n,
-                    fast_accum ? 1 : 0, reinterpret_cast<void*>(workspace), workspace_bytes};
+               size_t send_offset, size_t slot_stride, const std::vector<long long>& piece_starts, int own_group,
+               int ready_flag, int done_flag, uint32_t value_base, std::uintptr_t stream, std::uintptr_t side_stream) {
+    tep_gemm_args g = args(a, a_dtype, b, b_dtype, scale_a, scale_b, k, n, 0, fast_accum, workspace, workspace_bytes);
     const int pieces = piece_starts.size() > 1 ? static_cast<int>(piece_starts.size()) - 1 : 1;
     check(tep_comm_gemm_rs(live(), &g, m, out_dtype, reinterpret_cast<void*>(out), reinterpret_cast<void*>(received),
                            send_offset, slot_stride, piece_starts.size() > 2 ? piece_starts.data() : nullptr, pieces,
-                           ready_flag, done_flag, value_base, reinterpret_cast<void*>(stream),
+                           own_group, ready_flag, done_flag, value_base, reinterpret_cast<void*>(stream),
+                           reinterpret_cast<void*>(side_stream)));
+  }
+  void ag_gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
+               std::uintptr_t scale_b, long long k, long long n, std::uintptr_t bias, bool fast_accum,
+               std::uintptr_t workspace, size_t workspace_bytes, long long m, int out_dtype, std::uintptr_t out,
+               std::uintptr_t gathered, size_t recv_offset, size_t slot_bytes, int ready_flag, int done_flag,
+               uint32_t value, std::uintptr_t stream, std::uintptr_t side_stream) {
+    tep_gemm_args g = args(a, a_dtype, b, b_dtype, scale_a, scale_b, k, n, bias, fast_accum, workspace, workspace_bytes);
+    check(tep_comm_ag_gemm(live(), &g, m, out_dtype, reinterpret_cast<void*>(out), reinterpret_cast<void*>(gathered),
+                           recv_offset, slot_bytes, ready_flag, done_flag, value, reinterpret_cast<void*>(stream),
                            reinterpret_cast<void*>(side_stream)));
   }
 
@@ -136,10 +152,17 @@ void bind_comm_overlap(py::module_& m) {
            py::arg("scale_a"), py::arg("scale_b"), py::arg("k"), py::arg("n"), py::arg("fast_accum"),
            py::arg("workspace"), py::arg("workspace_bytes"), py::arg("m"), py::arg("out_dtype"), py::arg("out"),
            py::arg("received"), py::arg("send_offset"), py::arg("slot_stride"), py::arg("piece_starts"),
-           py::arg("ready_flag"), py::arg("done_flag"), py::arg("value_base"), py::arg("stream"),
+           py::arg("own_group"), py::arg("ready_flag"), py::arg("done_flag"), py::arg("value_base"), py::arg("stream"),
            py::arg("side_stream"),
            "tep_comm_gemm_rs: the whole row-parallel GEMM + reduce-scatter schedule in one call "
-           "(piece_starts: [0, ..., m] row bounds of the pieces, or [] for whole partials).");
+           "(piece_starts: [0, ..., m] row bounds of the pieces, or [] for whole partials).")
+      .def("ag_gemm", &Communicator::ag_gemm, py::arg("a"), py::arg("a_dtype"), py::arg("b"), py::arg("b_dtype"),
+           py::arg("scale_a"), py::arg("scale_b"), py::arg("k"), py::arg("n"), py::arg("bias"), py::arg("fast_accum"),
+           py::arg("workspace"), py::arg("workspace_bytes"), py::arg("m"), py::arg("out_dtype"), py::arg("out"),
+           py::arg("gathered"), py::arg("recv_offset"), py::arg("slot_bytes"), py::arg("ready_flag"),
+           py::arg("done_flag"), py::arg("value"), py::arg("stream"), py::arg("side_stream"),
+           "tep_comm_ag_gemm: the whole all-gather + GEMM ring in one call (gathered: 0, or where to keep "
+           "the gathered A).");
   m.def("reduce_sum", &reduce_sum, py::arg("inputs"), py::arg("in_dtype"), py::arg("out"), py::arg("out_dtype"),
         py::arg("numel"), py::arg("stream"),
         "out = sum of inputs (device addresses, 1..8), fp32 accumulation in list order.");

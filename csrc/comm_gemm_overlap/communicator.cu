@@ -248,7 +248,16 @@ tep_status gemm_rows(const tep_gemm_args* g, long long row0, long long rows, con
                      void* stream) {
   const char* a = static_cast<const char*>(g->a) + row0 * g->k * static_cast<long long>(elem_size(g->a_dtype));
   return tep_gemm(a, g->a_dtype, g->b, g->b_dtype, rows, g->n, g->k, g->scale_a, g->scale_b, c, d, out_dtype,
-                  nullptr, g->fast_accum, g->workspace, g->workspace_bytes, stream);
+                  g->bias, g->fast_accum, g->workspace, g->workspace_bytes, stream);
+}
+
+bool ensure_events(tep_comm* comm, int count) {
+  while (static_cast<int>(comm->events.size()) < count) {
+    cudaEvent_t ev;
+    if (!cuda_ok(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate", comm->rank)) return false;
+    comm->events.push_back(ev);
+  }
+  return true;
 }
 
 }  // namespace
@@ -257,13 +266,14 @@ extern "C" {
 
 tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
                             void* received, size_t send_offset, size_t slot_stride, const long long* piece_starts,
-                            int num_pieces, int ready_flag, int done_flag, uint32_t value_base, void* stream,
-                            void* side_stream) {
+                            int num_pieces, int own_group, int ready_flag, int done_flag, uint32_t value_base,
+                            void* stream, void* side_stream) {
   if (comm == nullptr || g == nullptr || out == nullptr || m < 1 || num_pieces < 1 || num_pieces > 64 ||
-      (num_pieces > 1 && (comm->world != 2 || piece_starts == nullptr)) || (comm->world > 1 && received == nullptr)) {
-    tep::set_error("tep_comm_gemm_rs: got m=%lld num_pieces=%d world=%d%s; need m >= 1, 1..64 pieces (more than 1 "
-                   "only at world size 2, with piece_starts), out and received", m, num_pieces, comm ? comm->world : 0,
-                   comm ? "" : " (no communicator)");
+      own_group < 1 || (num_pieces > 1 && (comm->world != 2 || piece_starts == nullptr)) ||
+      (comm->world > 1 && received == nullptr) || g->bias != nullptr) {
+    tep::set_error("tep_comm_gemm_rs: got m=%lld num_pieces=%d own_group=%d world=%d%s; need m >= 1, 1..64 pieces "
+                   "(more than 1 only at world size 2, with piece_starts), own_group >= 1, out, received and no bias",
+                   m, num_pieces, own_group, comm ? comm->world : 0, comm ? "" : " (no communicator)");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
   if (num_pieces > 1) {
@@ -281,11 +291,7 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
   char* own = comm->local + send_offset;
   char* recv = static_cast<char*>(received);
   cudaStream_t s = static_cast<cudaStream_t>(stream), side = static_cast<cudaStream_t>(side_stream);
-  while (static_cast<int>(comm->events.size()) < num_pieces + 1) {
-    cudaEvent_t ev;
-    if (!cuda_ok(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate", me)) return TEP_ERROR_CUDA;
-    comm->events.push_back(ev);
-  }
+  if (!ensure_events(comm, num_pieces + 1)) return TEP_ERROR_CUDA;
   tep_status st = TEP_SUCCESS;
 #define TEP_TRY(call)              \
   do {                             \
@@ -335,12 +341,61 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
     if (!cuda_ok(cudaEventRecord(comm->events[j], side), "cudaEventRecord", me)) return TEP_ERROR_CUDA;
   }
   TEP_TRY(tep_comm_signal(comm, peer, done_flag + me, last, side_stream));
-  for (int j = 0; j < num_pieces; ++j) {
-    const long long a = piece_starts[j], rows = piece_starts[j + 1] - a;
-    if (!cuda_ok(cudaStreamWaitEvent(s, comm->events[j], 0), "cudaStreamWaitEvent", me)) return TEP_ERROR_CUDA;
+  for (int j = 0; j < num_pieces; j += own_group) {  // own rows of pieces j .. j+own_group-1, once pulled
+    const int last_piece = j + own_group < num_pieces ? j + own_group - 1 : num_pieces - 1;
+    const long long a = piece_starts[j], rows = piece_starts[last_piece + 1] - a;
+    if (!cuda_ok(cudaStreamWaitEvent(s, comm->events[last_piece], 0), "cudaStreamWaitEvent", me)) return TEP_ERROR_CUDA;
     TEP_TRY(gemm_rows(g, me * m + a, rows, recv + a * row_bytes, static_cast<char*>(out) + a * row_bytes, out_dtype,
                       stream));
   }
+  return TEP_SUCCESS;
+}
+
+tep_status tep_comm_ag_gemm(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
+                            void* gathered, size_t recv_offset, size_t slot_bytes, int ready_flag, int done_flag,
+                            uint32_t value, void* stream, void* side_stream) {
+  if (comm == nullptr || g == nullptr || out == nullptr || m < 1 || value < 1) {
+    tep::set_error("tep_comm_ag_gemm: got m=%lld value=%u%s; need m >= 1, value >= 1 and out", m, value,
+                   comm ? "" : " (no communicator)");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  const int me = comm->rank, tp = comm->world;
+  const size_t a_row = static_cast<size_t>(g->k) * elem_size(g->a_dtype);
+  const size_t chunk = static_cast<size_t>(m) * a_row;
+  const size_t out_rows = static_cast<size_t>(m) * g->n * elem_size(out_dtype);
+  if (chunk > slot_bytes) {
+    tep::set_error("tep_comm_ag_gemm: a chunk of %zu bytes exceeds the %zu-byte slot", chunk, slot_bytes);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream), side = static_cast<cudaStream_t>(side_stream);
+  if (!ensure_events(comm, 2)) return TEP_ERROR_CUDA;
+  tep_status st = TEP_SUCCESS;
+  // The pushes start once A is ready (the work on `stream` so far), beside the own chunk's GEMM.
+  if (!cuda_ok(cudaEventRecord(comm->events[0], s), "cudaEventRecord", me)) return TEP_ERROR_CUDA;
+  TEP_TRY(gemm_rows(g, 0, m, nullptr, static_cast<char*>(out) + me * out_rows, out_dtype, stream));
+  if (!cuda_ok(cudaStreamWaitEvent(side, comm->events[0], 0), "cudaStreamWaitEvent", me)) return TEP_ERROR_CUDA;
+  for (int k = 1; k < tp; ++k) {  // rank me-k multiplies my chunk at its step k: push to it k-th
+    const int p = (me - k + tp) % tp;
+    TEP_TRY(tep_comm_wait(comm, done_flag + p, value - 1, side_stream));
+    TEP_TRY(tep_comm_copy(comm, comm->bases[p] + recv_offset + me * slot_bytes, g->a, chunk, side_stream));
+    TEP_TRY(tep_comm_signal(comm, p, ready_flag + me, value, side_stream));
+  }
+  // A (the caller's memory) is read by the side stream: later work on `stream` waits for the pushes.
+  if (!cuda_ok(cudaEventRecord(comm->events[1], side), "cudaEventRecord", me)) return TEP_ERROR_CUDA;
+  if (gathered != nullptr)
+    TEP_TRY(tep_comm_copy(comm, static_cast<char*>(gathered) + me * chunk, g->a, chunk, stream));
+  tep_gemm_args chunk_args = *g;
+  for (int k = 1; k < tp; ++k) {
+    const int src = (me + k) % tp;
+    char* slot = comm->local + recv_offset + src * slot_bytes;
+    TEP_TRY(tep_comm_wait(comm, ready_flag + src, value, stream));
+    chunk_args.a = slot;
+    TEP_TRY(gemm_rows(&chunk_args, 0, m, nullptr, static_cast<char*>(out) + src * out_rows, out_dtype, stream));
+    if (gathered != nullptr)
+      TEP_TRY(tep_comm_copy(comm, static_cast<char*>(gathered) + src * chunk, slot, chunk, stream));
+    TEP_TRY(tep_comm_signal(comm, src, done_flag + me, value, stream));
+  }
+  if (!cuda_ok(cudaStreamWaitEvent(s, comm->events[1], 0), "cudaStreamWaitEvent", me)) return TEP_ERROR_CUDA;
 #undef TEP_TRY
   return TEP_SUCCESS;
 }

@@ -172,7 +172,7 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
             x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
     if par.overlap_fprop and not row:  # column: gather ring under the GEMM
         fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
-        y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False)[0]
+        y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias)[0]
     elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
         fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc)  # noqa: E731
         y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, w=w_used)
@@ -323,7 +323,9 @@ def _overlapped_backward(s, dy, need_dx: bool, need_dw: bool):
         n_in = s.w_saved.shape[1]
         if need_dx:
             dg = lambda a, out: ov.dgrad_into(a, s.w_saved, out)  # noqa: E731
-            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, s.act_dtype, keep_gathered=need_dw)
+            w_t = (Float8Tensor(s.w_saved.transposed(), s.w_saved.scale_inv)  # B = Wᵀ [K, N] (FP8 keeps one)
+                   if isinstance(s.w_saved, Float8Tensor) else None)
+            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, s.act_dtype, keep_gathered=need_dw, w=w_t)
         else:
             dy_full = _gather(dy, par.group)[0]
         if need_dw:

@@ -63,11 +63,19 @@ def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor) -> None:
 
 
 def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], None], n_out: int,
-            out_dtype: torch.dtype, keep_gathered: bool) -> Tuple[torch.Tensor, Optional[Operand]]:
-    """(out [tp·m, n_out], the gathered A [tp·m, K] if keep_gathered else None)."""
+            out_dtype: torch.dtype, keep_gathered: bool, w: Optional[Operand] = None,
+            bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[Operand]]:
+    """(out [tp·m, n_out], the gathered A [tp·m, K] if keep_gathered else None).
+    w (+ bias): B as [n_out, K] (gemm_into's math: A·wᵀ + bias), for the native schedule."""
     tp, me = ub.tp_size, ub.rank
     if isinstance(a_local, torch.Tensor):
         a_local = a_local.contiguous()
+    if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
+        ops = _native_operands(a_local, w, out_dtype, fp8_only=True)
+        if ops is not None and (bias is None or (out_dtype != torch.float32 and bias.dtype == out_dtype)):
+            out, gathered = ub.ag_gemm(*ops, bias, out_dtype, keep_gathered, gemm.FPROP_FAST_ACCUM)
+            return out, (_wrap(gathered.view(torch.uint8), a_local) if isinstance(a_local, Float8Tensor)
+                         else gathered) if keep_gathered else None
     local = _bytes(a_local)
     m = local.shape[0]
     full = torch.empty((tp * m, *local.shape[1:]), dtype=local.dtype, device=local.device) if keep_gathered else None
@@ -91,6 +99,7 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
 # RS_MIN_PIECE_ROWS rows (shorter GEMMs lose efficiency and add launches); docs/overlap.md.
 RS_PIECES = 4
 RS_MIN_PIECE_ROWS = 256
+RS_OWN_GROUP = 1  # pulled pieces per GEMM of the own partial (native schedule)
 
 
 def rs_pieces(tp: int, m: int) -> int:
@@ -104,13 +113,15 @@ def rs_pieces(tp: int, m: int) -> int:
 NATIVE_SCHEDULE = True
 
 
-def _native_operands(a: Operand, w: Operand, out_dtype: torch.dtype):
-    """(a, a_scale_inv, w, w_scale_inv) as tep_gemm takes them, or None where it cannot."""
+def _native_operands(a: Operand, w: Operand, out_dtype: torch.dtype, fp8_only: bool = False):
+    """(a, a_scale_inv, w, w_scale_inv) as tep_gemm takes them, or None where it cannot (or, with
+    fp8_only, where the operands are not FP8: a bf16 all-gather + GEMM stays bit-exact with the
+    gather-then-GEMM path only with torch's own GEMM)."""
     if isinstance(a, Float8Tensor) and isinstance(w, Float8Tensor):
         if a.data.is_contiguous() and w.data.is_contiguous() and a.data.shape[1] == w.data.shape[1]:
             return a.data, gemm._scalar_f32(a.scale_inv), w.data, gemm._scalar_f32(w.scale_inv)
         return None
-    if (isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and not isinstance(a, Float8Tensor)
+    if (not fp8_only and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor)
             and a.dtype == w.dtype and a.dtype in (torch.bfloat16, torch.float16) and out_dtype in (a.dtype, torch.float32)
             and a.is_contiguous() and w.is_contiguous() and a.dim() == 2 and w.dim() == 2 and a.shape[1] == w.shape[1]):
         return a, None, w, None
@@ -129,7 +140,7 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
     if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
         ops = _native_operands(a_full, w, out_dtype)
         if ops is not None:
-            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m), gemm.FPROP_FAST_ACCUM)
+            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m), gemm.FPROP_FAST_ACCUM, RS_OWN_GROUP)
     rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m))
     if len(rs.pieces) > 1:  # TP=2 (rs_pieces): the peer's partial in pieces, then the own one adds them
         peer = 1 - me

@@ -129,11 +129,18 @@ class CommOverlap:
         return self.transport.reduce_scatter(rows, cols, dtype, device, pieces)
 
     def gemm_rs(self, a: torch.Tensor, a_scale_inv, b: torch.Tensor, b_scale_inv, out_dtype: torch.dtype,
-                pieces: int, fast_accum: bool = False) -> torch.Tensor:
+                pieces: int, fast_accum: bool = False, own_group: int = 1) -> torch.Tensor:
         """Row-parallel GEMM + reduce-scatter in one native call (IPC transport; see IpcTransport.gemm_rs)."""
         self._check_not_capturing("reduce-scatter")
         self.counts["reduce_scatter"] += 1
-        return self.transport.gemm_rs(a, a_scale_inv, b, b_scale_inv, out_dtype, pieces, fast_accum)
+        return self.transport.gemm_rs(a, a_scale_inv, b, b_scale_inv, out_dtype, pieces, fast_accum, own_group)
+
+    def ag_gemm(self, a: torch.Tensor, a_scale_inv, b: torch.Tensor, b_scale_inv, bias, out_dtype: torch.dtype,
+                keep_gathered: bool, fast_accum: bool = False):
+        """All-gather + GEMM in one native call (IPC transport; see IpcTransport.ag_gemm)."""
+        self._check_not_capturing("all-gather")
+        self.counts["all_gather"] += 1
+        return self.transport.ag_gemm(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, keep_gathered, fast_accum)
 
     def destroy(self) -> None:
         """Free the shared buffers. Collective: every rank first finishes its GPU work and waits for the

@@ -130,10 +130,11 @@ class IpcTransport:
 
     def gemm_rs(self, a: torch.Tensor, a_scale_inv: Optional[torch.Tensor], b: torch.Tensor,
                 b_scale_inv: Optional[torch.Tensor], out_dtype: torch.dtype, pieces: int,
-                fast_accum: bool = False) -> torch.Tensor:
+                fast_accum: bool = False, own_group: int = 1) -> torch.Tensor:
         """Row-parallel GEMM + reduce-scatter in one native call (tep_comm_gemm_rs): the [m, n] sum over
         ranks of a[rows of me]·bᵀ. a [tp·m, k], b [n, k]: contiguous, both FP8 (with their scale_inv)
-        or both bf16/fp16. Same flags and values as IpcReduceScatter, so the two can alternate."""
+        or both bf16/fp16. Same flags and values as IpcReduceScatter, so the two can alternate.
+        own_group: pulled pieces per GEMM of the own partial."""
         rows, k = a.shape
         n = b.shape[0]
         m = rows // self.tp
@@ -150,10 +151,34 @@ class IpcTransport:
                           0 if a_scale_inv is None else a_scale_inv.data_ptr(),
                           0 if b_scale_inv is None else b_scale_inv.data_ptr(), k, n, fast_accum,
                           workspace.data_ptr(), workspace.numel(), m, _GEMM_DTYPES[out_dtype], out.data_ptr(),
-                          received.data_ptr(), self.offsets[RS], -(-nbytes // 256) * 256, starts,
+                          received.data_ptr(), self.offsets[RS], -(-nbytes // 256) * 256, starts, own_group,
                           self._ready(RS, 0), self._done(RS, 0), base, stream, self.raw[RS])
         received.record_stream(self.streams[RS])  # (the copies write it there)
         return out
+
+    def ag_gemm(self, a: torch.Tensor, a_scale_inv: Optional[torch.Tensor], b: torch.Tensor,
+                b_scale_inv: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                keep_gathered: bool, fast_accum: bool = False):
+        """Column-parallel all-gather + GEMM in one native call (tep_comm_ag_gemm): (out [tp·m, n] =
+        AG(a)·bᵀ (+ bias), the gathered a [tp·m, k] if keep_gathered else None). Operands as gemm_rs;
+        the same flags and generation numbers as IpcAllGather, so the two can alternate."""
+        m, k = a.shape
+        n = b.shape[0]
+        _check_gather(self, a)
+        self.gen[AG] += 1
+        stream = _current(self.device)
+        out = torch.empty((self.tp * m, n), dtype=out_dtype, device=self.device)
+        gathered = torch.empty((self.tp * m, k), dtype=a.dtype, device=self.device) if keep_gathered else None
+        workspace = _native.gemm_workspace(self.device, stream)
+        self.comm.ag_gemm(a.data_ptr(), _GEMM_DTYPES[a.dtype], b.data_ptr(), _GEMM_DTYPES[b.dtype],
+                          0 if a_scale_inv is None else a_scale_inv.data_ptr(),
+                          0 if b_scale_inv is None else b_scale_inv.data_ptr(), k, n,
+                          0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(), workspace.numel(),
+                          m, _GEMM_DTYPES[out_dtype], out.data_ptr(), 0 if gathered is None else gathered.data_ptr(),
+                          self.offsets[AG], self.chunk_bytes, self._ready(AG, 0), self._done(AG, 0), self.gen[AG],
+                          stream, self.raw[AG])
+        a.record_stream(self.streams[AG])  # (the pushes read it there)
+        return out, gathered
 
     def close(self) -> None:
         self.own = None

@@ -86,9 +86,19 @@ def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64
     assert {k: ub.counts[k] - before[k] for k in before} == want_ops, (ub.counts, before)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     name = f"Linear {mode} bias={bias} fp8={recipe_name}"
-    _compare(name, got, want, exact_out=(mode == "column"), exact_dx=(mode == "row"), tol=tol)
+    # FP8 AG+GEMM through the native schedule runs te_parallel's cuBLASLt call, the reference torch's
+    # _scaled_mm: two callers of cuBLASLt whose kernels may differ, so no bit-exactness is claimed
+    exact = not (recipe is not None and ub.transport_name == "ipc" and _native_schedule())
+    _compare(name, got, want, exact_out=(mode == "column" and exact), exact_dx=(mode == "row" and exact), tol=tol)
     if recipe_name == "delayed":  # the overlapped path fed the same amaxes into the scale update
         assert torch.equal(ovl.fp8_state.fwd_scale, ref.fp8_state.fwd_scale), name
+
+
+def _native_schedule():
+    from te_parallel import _native
+    from te_parallel.ops import linear_overlap
+
+    return linear_overlap.NATIVE_SCHEDULE and _native.gemm_usable()
 
 
 def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidden=128):

@@ -78,6 +78,7 @@ typedef struct {
   const float* scale_b;
   long long k;
   long long n;
+  const void* bias; /* NULL or [n] of the output dtype (bf16/fp16 output): added by every chunk's GEMM */
   int fast_accum;
   void* workspace;
   size_t workspace_bytes;
@@ -95,15 +96,30 @@ typedef struct {
  *   num_pieces == 1: whole partials; the tp partials are summed in fp32, in rank order, into out.
  *   num_pieces > 1 (world_size 2 only): the peer's partial is written and pulled in row pieces
  *     [piece_starts[j], piece_starts[j+1]) (num_pieces+1 entries from 0 to m), each pulled while the
- *     next is computed; the own partial's GEMM for piece j adds the pulled piece as its C input (one
- *     rounding), so there is no separate sum.
+ *     next is computed; the own partial is computed `own_group` pieces per GEMM, each GEMM adding the
+ *     pulled rows as its C input (one rounding), so there is no separate sum.
+ * g->bias must be NULL (a reduce-scatter adds the bias once, after the sum).
  * received: [world_size-1, m, n] of out_dtype, written on side_stream (keep it alive until `stream`
  * has finished this op). side_stream first waits for the work already on `stream`.
  */
 TEP_API tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
                                     void* received, size_t send_offset, size_t slot_stride,
-                                    const long long* piece_starts, int num_pieces, int ready_flag, int done_flag,
-                                    uint32_t value_base, void* stream, void* side_stream);
+                                    const long long* piece_starts, int num_pieces, int own_group, int ready_flag,
+                                    int done_flag, uint32_t value_base, void* stream, void* side_stream);
+
+/*
+ * Column-parallel all-gather + GEMM in one call (ring order, each chunk's GEMM as soon as it lands):
+ *   out [world·m, n] rows of rank r = (rank r's A [m, k]) · Bᵀ (+ bias)
+ * g->a is this rank's chunk A [m, k]. Its GEMM runs first; meanwhile side_stream pushes the chunk with
+ * the copy engine into every peer's buffer at recv_offset + me*slot_bytes (waiting until that peer's
+ * done flag reached value-1: it finished the previous gather) and sets the peer's ready flag
+ * ready_flag + me to `value`. Then `stream` waits for each peer's chunk (ready_flag + src >= value)
+ * in the order me+1, me+2, ..., multiplies it in place, copies it into gathered (if not NULL:
+ * [world·m, k] of A's dtype, the whole gathered A) and sets src's done flag done_flag + me = value.
+ */
+TEP_API tep_status tep_comm_ag_gemm(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
+                                    void* gathered, size_t recv_offset, size_t slot_bytes, int ready_flag,
+                                    int done_flag, uint32_t value, void* stream, void* side_stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
