@@ -274,12 +274,12 @@ def main() -> None:
             variants = [(ov.RS_PIECES, ov.RS_OWN_GROUP, False)]
             if kind == "GEMM+RS" and tp == 2:
                 variants += [(1, 1, True), (2, 1, True), (4, 1, True), (4, 2, True), (8, 2, True), (8, 4, True)]
-            for pieces, group, native in variants:
+            for pieces, own, native in variants:
                 saved = ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE
                 ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS = pieces, (1 << 30 if pieces == 1 else 16)
-                ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE = group, native
+                ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE = own, native
                 name = ("issued step by step from Python" if not native else
-                        "1 piece (fp32 sum pass)" if pieces == 1 else f"{pieces} pieces, own GEMM per {group}")
+                        "1 piece (fp32 sum pass)" if pieces == 1 else f"{pieces} pieces, own GEMM per {own}")
                 try:
                     rows.append({"case": f"{label}, {name}", "gemm_alone_ms": t_alone,
                                  "overlap_ms": (t := _timed(ovl)), "overlap_x": t / t_alone,

@@ -21,7 +21,7 @@ def test_row_pieces_cover_the_rows_in_16_row_steps(m, pieces):
 
 
 def test_rs_pieces_only_at_tp2_and_for_long_chunks():
-    assert rs_pieces(2, 4096) == RS_PIECES
+    assert rs_pieces(2, 4096) == RS_PIECES == 2
     assert rs_pieces(2, 2 * RS_MIN_PIECE_ROWS) == 2
     assert rs_pieces(2, RS_MIN_PIECE_ROWS) == 1  # one piece: the unpieced schedule (fp32 sum pass)
     assert rs_pieces(4, 4096) == rs_pieces(8, 4096) == 1

@@ -96,8 +96,10 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
 # At TP=2 the reduce-scatter runs in row pieces: the peer's partial is computed piece by piece, each
 # piece pulled by the peer as soon as it is written, and the own partial's GEMM adds the received
 # piece in its epilogue (cuBLASLt's C input), so no pass sums the partials. A piece has at least
-# RS_MIN_PIECE_ROWS rows (shorter GEMMs lose efficiency and add launches); docs/overlap.md.
-RS_PIECES = 4
+# RS_MIN_PIECE_ROWS rows. Two pieces: more lose more to shorter GEMMs (FP8 GEMMs of 1024 rows ran
+# ~25% below the whole GEMM's rate on an H200) and to launches than the earlier pulls win back
+# (docs/overlap.md, docs/benchmarks.md "Seventh session").
+RS_PIECES = 2
 RS_MIN_PIECE_ROWS = 256
 RS_OWN_GROUP = 1  # pulled pieces per GEMM of the own partial (native schedule)
 

@@ -183,30 +183,32 @@ def _pieced_primitives(rank, world, group, device, ub):
 
 def _pieced_linear(rank, world, group, device, ub):
     """The row-parallel Linear cases again with pieces short enough to run gemm_rs's TP=2 pieced
-    schedule at these sizes (64 rows per rank: 4 pieces of 16 rows), issued by the native call and
-    from Python, checking which ran."""
+    schedule at these sizes (64 rows per rank: 4 pieces of 16 rows), issued by the native call (own
+    partial per piece and per two pieces) and from Python, checking which ran."""
     from te_parallel import _native
     from te_parallel.ops import linear_overlap
     from te_parallel.parallel import ub_transport
 
     calls = []
     finish, native = ub_transport.IpcReduceScatter.finish_accumulated, ub_transport.IpcTransport.gemm_rs
-    saved = linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE
+    saved = (linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE, linear_overlap.RS_PIECES,
+             linear_overlap.RS_OWN_GROUP)
     ub_transport.IpcReduceScatter.finish_accumulated = lambda self, out: calls.append(("python", len(self.pieces))) \
         or finish(self, out)
     ub_transport.IpcTransport.gemm_rs = lambda self, *a: calls.append(("native", a[5])) or native(self, *a)
-    linear_overlap.RS_MIN_PIECE_ROWS = 16
+    linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.RS_PIECES = 16, 4
     try:
-        for schedule in (True, False):
-            linear_overlap.NATIVE_SCHEDULE = schedule
+        for schedule, own_group in ((True, 1), (True, 2), (False, 1)):
+            linear_overlap.NATIVE_SCHEDULE, linear_overlap.RS_OWN_GROUP = schedule, own_group
             for bias in (False, True):
                 for rec in ("off", "delayed", "current"):
                     _linear_case("row", bias, rec, rank, world, group, device, ub, seq=64)
     finally:
-        linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE = saved
+        (linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE, linear_overlap.RS_PIECES,
+         linear_overlap.RS_OWN_GROUP) = saved
         ub_transport.IpcReduceScatter.finish_accumulated, ub_transport.IpcTransport.gemm_rs = finish, native
     first = "native" if _native.gemm_usable() else "python"
-    assert calls == [(first, 4)] * 6 + [("python", 4)] * 6, calls  # one pieced reduce-scatter per forward
+    assert calls == [(first, 4)] * 12 + [("python", 4)] * 6, calls  # one pieced reduce-scatter per forward
 
 
 def _native_rs_whole(rank, world, group, device, ub):
