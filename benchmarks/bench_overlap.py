@@ -9,7 +9,9 @@ Rows per case: the GEMM alone (on already-gathered / unreduced data), NCCL colle
 (sequential), te_parallel's overlap; ratios are ÷ GEMM alone. Every time is the max over the ranks
 of the per-rank median (CUDA events). `--layer` adds the seed TransformerLayer (hidden 4096, ffn 16384,
 32 heads, s 2048 × b 4; `--layer-batch 4 8` adds b=8) at TP=2+SP in FP8, fwd+bwd with and without
-overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap).
+overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap), and a
+third row without any sequence all-gather / reduce-scatter (outputs left unwritten: only its time is
+meaningful), whose speedup over the NCCL row is the most that any overlap could give.
 Times are per call of loops issued back to back (the host runs ahead, as in training).
 A last table gives NCCL's own all-gather / reduce-scatter bus bandwidth in the same run (nccl-tests'
 convention: algorithm bandwidth = bytes of the whole gathered / unreduced tensor ÷ time, bus bandwidth =
@@ -20,6 +22,7 @@ and on the copy stream (each pull), relative to the start of the op on rank 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -233,14 +236,41 @@ def seed_layer_step(group, tp: int, batch: int, extra: dict):
     return layer, step
 
 
+class _NoTransfer:
+    """The NCCL path's sequence all-gathers and reduce-scatters replaced by nothing (the outputs are left
+    unwritten): the step's compute and host work alone, the floor no overlap can go below. Its
+    numbers are wrong; only its time is read."""
+
+    class _Done:
+        def wait(self):
+            pass
+
+    def __enter__(self):
+        from te_parallel.parallel import collectives
+
+        self.saved = collectives._all_gather, collectives._reduce_scatter
+        collectives._all_gather = collectives._reduce_scatter = \
+            lambda out, t, group=None, async_op=False: self._Done() if async_op else None
+        return self
+
+    def __exit__(self, *exc):
+        from te_parallel.parallel import collectives
+
+        collectives._all_gather, collectives._reduce_scatter = self.saved
+
+
 def layer_rows(ub, group, rank, tp, batch):
     rows = []
-    for name, extra in [("no overlap (NCCL)", {}), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub))]:
+    cases = [("no overlap (NCCL)", {}, contextlib.nullcontext), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub),
+             contextlib.nullcontext), ("no communication at all (floor)", {}, _NoTransfer)]
+    for name, extra, ctx in cases:
         _, step = seed_layer_step(group, tp, batch, extra)
-        ms = _timed(step, iters=10)
-        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
-                     "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3})
+        with ctx():
+            ms = _timed(step, iters=10)
+            rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
+                         "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3})
     rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
+    rows[2]["speedup"] = rows[0]["ms"] / rows[2]["ms"]  # the most any overlap could give
     return rows
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
 from common import report, time_cuda, time_cuda_stream, training_step  # noqa: E402
-from te_parallel import recipe  # noqa: E402
+from te_parallel import _native, recipe  # noqa: E402
 
 
 class TorchLayer(torch.nn.Module):
@@ -72,12 +72,14 @@ def measure(name, step, rows, base=None):
 def switched_off(what: str):
     """One optimisation changed for an ablation row: "fused activation" off (the MLP activation in high
     precision, each GEMM casting its input; ops/mlp.fp8_activation), "fprop accumulation" flipped
-    (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM), or "mlp chunks" off (the MLP backward in one piece)."""
+    (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM), "mlp chunks" off (the MLP backward in one piece), or
+    "torch GEMM" off (every FP8 GEMM through te_parallel's cuBLASLt call: ops/gemm.NATIVE_GEMM)."""
     from te_parallel.ops import gemm, mlp
 
     owner, name, value = {"fused activation": (mlp, "fp8_activation", lambda *args: False),
                           "fprop accumulation": (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM),
-                          "mlp chunks": (mlp, "BWD_CHUNK_BYTES", 1 << 62)}[what]
+                          "mlp chunks": (mlp, "BWD_CHUNK_BYTES", 1 << 62),
+                          "torch GEMM": (gemm, "NATIVE_GEMM", True)}[what]
     saved = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -103,6 +105,10 @@ def main() -> None:
     measure("te bf16", training_step(layer, x, dy), rows, base)
     measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
     measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
+    if _native.gemm_usable():  # every FP8 GEMM through te_parallel's cuBLASLt call (ops/gemm.NATIVE_GEMM)
+        with switched_off("torch GEMM"):
+            measure("te FP8 delayed, native GEMM", training_step(layer, x, dy, fp8), rows, base)
+        measure("te FP8 delayed (again, after the native GEMM row)", training_step(layer, x, dy, fp8), rows, base)
     labels = {"fused activation": "fused activation off", "fprop accumulation": "fprop fast accumulation flipped",
               "mlp chunks": "MLP backward in one piece"}
     for what, label in labels.items() if a.ablate else ():
