@@ -1,0 +1,128 @@
+"""Where the GPU time of the TP seed-layer step goes: NCCL vs comm-GEMM overlap vs no communication.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/profile_layer_kernels.py [--batch 8] [--steps 5]
+
+The layer of `bench_overlap.py --layer` in three cases: plain NCCL collectives, ub_tp_comm_overlap, and
+the NCCL layer with its sequence all-gathers / reduce-scatters replaced by nothing (`_NoTransfer`:
+wrong numbers, right compute). For each, torch.profiler's CUDA activity over `steps` steps on rank 0,
+summed per kernel class and per stream: GEMM kernels, NCCL kernels, copies (copy engine), the rest;
+"busy" is the union of kernel intervals on the compute stream(s). The step time minus that union is
+time the GPU's SMs idled (waiting for a flag, an event, or the host). A table per case, the top
+kernels of each class, and the GEMM time per step against the no-communication case: GEMMs that run
+beside copies or in chunks take longer than the same GEMMs alone.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import te_parallel as te  # noqa: E402
+from bench_overlap import _NoTransfer, seed_layer_step  # noqa: E402
+from common import init_torchrun_nccl, report  # noqa: E402
+
+GEMM_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "wgmma")
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if low.startswith("memcpy") or "memcpy" in low:
+        return "copy"
+    if low.startswith("memset"):
+        return "memset"
+    if any(m in low for m in GEMM_MARKS):
+        return "gemm"
+    if "flash" in low or "fmha" in low or "attention" in low:
+        return "attention"
+    return "other"
+
+
+def union_ms(intervals) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e3
+
+
+def profile_case(step, steps: int, rank: int):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        stop.record()
+        torch.cuda.synchronize()
+    step_ms = start.elapsed_time(stop) / steps
+    by_class, by_name, per_stream = defaultdict(float), defaultdict(lambda: [0.0, 0]), defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        cls = kernel_class(ev.name)
+        dur = ev.time_range.end - ev.time_range.start  # us
+        by_class[cls] += dur
+        by_name[(cls, ev.name[:90])][0] += dur
+        by_name[(cls, ev.name[:90])][1] += 1
+        if cls not in ("copy", "memset"):
+            per_stream["sm"].append((ev.time_range.start, ev.time_range.end))
+    busy = union_ms(per_stream["sm"]) / steps
+    row = {"step_ms": step_ms, "sm_busy_ms": busy, "sm_idle_ms": step_ms - busy}
+    for cls in ("gemm", "nccl", "attention", "other", "copy"):
+        row[f"{cls}_ms"] = by_class[cls] / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+    return row, [(cls, name, t / 1e3 / steps, n // steps) for (cls, name), (t, n) in top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    rank, tp, group = init_torchrun_nccl()
+    ub = te.initialize_ub([2048 * a.batch, 4096], group, use_fp8=True, dtype=torch.bfloat16)
+    cases = [("NCCL", {}, contextlib.nullcontext), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub),
+             contextlib.nullcontext), ("no communication (floor)", {}, _NoTransfer)]
+    rows, tops = [], []
+    for name, extra, ctx in cases:
+        _, step = seed_layer_step(group, tp, a.batch, extra)
+        with ctx():
+            row, top = profile_case(step, a.steps, rank)
+        rows.append({"case": name, **row})
+        tops.append((name, top))
+        del step
+        torch.cuda.empty_cache()
+    if rank == 0:
+        floor_gemm = rows[2]["gemm_ms"]
+        for r in rows:
+            r["gemm_vs_floor"] = r["gemm_ms"] / floor_gemm
+        report(f"TP={tp} seed layer b={a.batch}, FP8, per step, rank 0 (CUDA kernel time by class; sm_busy = union "
+               f"of SM kernels)", rows, ["case", "step_ms", "sm_busy_ms", "sm_idle_ms", "gemm_ms", "gemm_vs_floor",
+                                         "nccl_ms", "attention_ms", "other_ms", "copy_ms"], None)
+        for name, top in tops:
+            print(f"\ntop kernels, {name} (ms per step, launches per step)")
+            for cls, kname, ms, n in top:
+                print(f"  {cls:<9} {ms:7.3f} {n:4d}  {kname}")
+    ub.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
