@@ -69,13 +69,6 @@ class Communicator {
     check(tep_comm_copy(live(), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
                         reinterpret_cast<void*>(stream)));
   }
-  void copy_split(std::uintptr_t dst, std::uintptr_t src, size_t bytes, std::uintptr_t stream) {
-    check(tep_comm_copy_split(live(), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
-                              reinterpret_cast<void*>(stream)));
-  }
-  void set_second_copy_stream(std::uintptr_t stream) {
-    check(tep_comm_set_second_copy_stream(live(), reinterpret_cast<void*>(stream)));
-  }
   void signal(int peer, int flag, uint32_t value, std::uintptr_t stream) {
     check(tep_comm_signal(live(), peer, flag, value, reinterpret_cast<void*>(stream)));
   }
@@ -151,10 +144,6 @@ void bind_comm_overlap(py::module_& m) {
       .def("flags", &Communicator::flags, py::arg("peer"), "Device address of peer's uint32 flags.")
       .def("copy", &Communicator::copy, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"),
            "Copy-engine copy (peer-mapped addresses allowed).")
-      .def("copy_split", &Communicator::copy_split, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"),
-           "copy, split over two copy engines when a second copy stream is set (copies of 1 MiB or more).")
-      .def("set_second_copy_stream", &Communicator::set_second_copy_stream, py::arg("stream"),
-           "The stream for the second half of split copies (0: no splitting).")
       .def("signal", &Communicator::signal, py::arg("peer"), py::arg("flag"), py::arg("value"), py::arg("stream"),
            "Fence, then set peer's flags[flag] = value, on the stream.")
       .def("wait", &Communicator::wait, py::arg("flag"), py::arg("value"), py::arg("stream"),

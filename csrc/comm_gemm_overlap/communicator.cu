@@ -77,8 +77,6 @@ struct tep_comm {
   WriteValue32 write_value = nullptr;
   WaitValue32 wait_value = nullptr;
   std::vector<cudaEvent_t> events;  // reused by the fused ops (tep_comm_gemm_rs), created on first use
-  cudaStream_t second = nullptr;     // tep_comm_set_second_copy_stream
-  cudaEvent_t split_events[2] = {nullptr, nullptr};
 };
 
 extern "C" {
@@ -168,8 +166,6 @@ tep_status tep_comm_destroy(tep_comm* comm) {
     }
     cudaFree(comm->local);
     for (cudaEvent_t ev : comm->events) cudaEventDestroy(ev);
-    for (cudaEvent_t ev : comm->split_events)
-      if (ev) cudaEventDestroy(ev);
     cudaGetLastError();
     if (current >= 0 && current != comm->device) cudaSetDevice(current);
     if (status != TEP_SUCCESS) tep::set_error("tep_comm_destroy: device synchronisation failed");
@@ -198,39 +194,6 @@ tep_status tep_comm_copy(tep_comm* comm, void* dst, const void* src, size_t byte
   // the copy through the copy engines over the peer link.
   cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
   return cuda_ok(err, "cudaMemcpyAsync (peer copy)", comm->rank) ? TEP_SUCCESS : TEP_ERROR_CUDA;
-}
-
-tep_status tep_comm_set_second_copy_stream(tep_comm* comm, void* second_stream) {
-  if (comm == nullptr) {
-    tep::set_error("tep_comm_set_second_copy_stream: got a null communicator");
-    return TEP_ERROR_INVALID_ARGUMENT;
-  }
-  for (cudaEvent_t& ev : comm->split_events) {
-    if (ev == nullptr && !cuda_ok(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate", comm->rank))
-      return TEP_ERROR_CUDA;
-  }
-  comm->second = static_cast<cudaStream_t>(second_stream);
-  return TEP_SUCCESS;
-}
-
-tep_status tep_comm_copy_split(tep_comm* comm, void* dst, const void* src, size_t bytes, void* stream) {
-  constexpr size_t kMinSplit = size_t(1) << 20;
-  if (comm == nullptr || comm->second == nullptr || bytes < kMinSplit) return tep_comm_copy(comm, dst, src, bytes, stream);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const size_t half = (bytes / 2 + kAlign - 1) / kAlign * kAlign;
-  // The second stream starts where `stream` is (after its flag wait); `stream` resumes after both.
-  if (!cuda_ok(cudaEventRecord(comm->split_events[0], s), "cudaEventRecord", comm->rank) ||
-      !cuda_ok(cudaStreamWaitEvent(comm->second, comm->split_events[0], 0), "cudaStreamWaitEvent", comm->rank))
-    return TEP_ERROR_CUDA;
-  tep_status st = tep_comm_copy(comm, dst, src, half, stream);
-  if (st != TEP_SUCCESS) return st;
-  st = tep_comm_copy(comm, static_cast<char*>(dst) + half, static_cast<const char*>(src) + half, bytes - half,
-                     comm->second);
-  if (st != TEP_SUCCESS) return st;
-  if (!cuda_ok(cudaEventRecord(comm->split_events[1], comm->second), "cudaEventRecord", comm->rank) ||
-      !cuda_ok(cudaStreamWaitEvent(s, comm->split_events[1], 0), "cudaStreamWaitEvent", comm->rank))
-    return TEP_ERROR_CUDA;
-  return TEP_SUCCESS;
 }
 
 tep_status tep_comm_signal(tep_comm* comm, int peer, int flag, uint32_t value, void* stream) {
@@ -352,8 +315,8 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
       // hardware queue a wait blocks what is issued after it, and the peer needs my step k first).
       const int src = (me - k + tp) % tp;
       TEP_TRY(tep_comm_wait(comm, ready_flag + src, last, side_stream));
-      TEP_TRY(tep_comm_copy_split(comm, recv + (k - 1) * nbytes, comm->bases[src] + send_offset + me * slot_stride,
-                                  nbytes, side_stream));
+      TEP_TRY(tep_comm_copy(comm, recv + (k - 1) * nbytes, comm->bases[src] + send_offset + me * slot_stride, nbytes,
+                            side_stream));
       TEP_TRY(tep_comm_signal(comm, src, done_flag + me, last, side_stream));
     }
     if (!cuda_ok(cudaEventRecord(comm->events[0], side), "cudaEventRecord", me) ||
@@ -373,9 +336,8 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
     TEP_TRY(gemm_rows(g, peer * m + a, rows, nullptr, own + peer * slot_stride + a * row_bytes, out_dtype, stream));
     TEP_TRY(tep_comm_signal(comm, peer, ready_flag + me, value_base + j + 1, stream));
     TEP_TRY(tep_comm_wait(comm, ready_flag + peer, value_base + j + 1, side_stream));
-    TEP_TRY(tep_comm_copy_split(comm, recv + a * row_bytes,
-                                comm->bases[peer] + send_offset + me * slot_stride + a * row_bytes, rows * row_bytes,
-                                side_stream));
+    TEP_TRY(tep_comm_copy(comm, recv + a * row_bytes, comm->bases[peer] + send_offset + me * slot_stride + a * row_bytes,
+                          rows * row_bytes, side_stream));
     if (!cuda_ok(cudaEventRecord(comm->events[j], side), "cudaEventRecord", me)) return TEP_ERROR_CUDA;
   }
   TEP_TRY(tep_comm_signal(comm, peer, done_flag + me, last, side_stream));
@@ -415,7 +377,7 @@ tep_status tep_comm_ag_gemm(tep_comm* comm, const tep_gemm_args* g, long long m,
   for (int k = 1; k < tp; ++k) {  // rank me-k multiplies my chunk at its step k: push to it k-th
     const int p = (me - k + tp) % tp;
     TEP_TRY(tep_comm_wait(comm, done_flag + p, value - 1, side_stream));
-    TEP_TRY(tep_comm_copy_split(comm, comm->bases[p] + recv_offset + me * slot_bytes, g->a, chunk, side_stream));
+    TEP_TRY(tep_comm_copy(comm, comm->bases[p] + recv_offset + me * slot_bytes, g->a, chunk, side_stream));
     TEP_TRY(tep_comm_signal(comm, p, ready_flag + me, value, side_stream));
   }
   // A (the caller's memory) is read by the side stream: later work on `stream` waits for the pushes.

@@ -31,9 +31,6 @@ import torch.distributed as dist
 from te_parallel import _native
 
 AG, RS = 0, 1  # channels: all-gather (one chunk region) and reduce-scatter (tp chunk regions)
-# Copies of 1 MiB or more in two halves on two streams, so that two copy engines move them (one copy
-# engine moved 160-180 GB/s over NVLink on an H200; docs/overlap.md).
-SPLIT_COPIES = True
 _TEP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _GEMM_DTYPES = {**_TEP_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
@@ -98,16 +95,10 @@ class IpcTransport:
             self.comm = _native.load().Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
             self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
             self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
-            self.second_copy_stream = torch.cuda.Stream(device)
         self.raw = {ch: st.cuda_stream for ch, st in self.streams.items()}  # the side streams' handles
-        self.set_split_copies(SPLIT_COPIES)
         self.gen = {AG: 0}
         self.seq = {RS: 0}  # flag values used by reduce-scatters so far (IpcReduceScatter)
         self.timing = False  # True: record timed events around every pull (benchmarks' overlap proof)
-
-    def set_split_copies(self, on: bool) -> None:
-        """Copies of 1 MiB or more in two halves on two streams (two copy engines), or whole."""
-        self.comm.set_second_copy_stream(self.second_copy_stream.cuda_stream if on else 0)
 
     # flags on every rank: [channel][ready | done][peer]
     def _ready(self, ch: int, peer: int) -> int:
@@ -221,7 +212,7 @@ class IpcAllGather:
             comm.wait(t._done(AG, p), self.gen - 1, sp)  # p finished reading my slot of the last gather
             if t.timing:
                 self.push_started[p] = _event(s, True)
-            comm.copy_split(t._peer_addr(AG, p) + t.rank * t.chunk_bytes, x_local.data_ptr(), self.nbytes, sp)
+            comm.copy(t._peer_addr(AG, p) + t.rank * t.chunk_bytes, x_local.data_ptr(), self.nbytes, sp)
             comm.signal(p, t._ready(AG, t.rank), self.gen, sp)
             self.events[p] = _event(s, t.timing)
         x_local.record_stream(s)
@@ -335,8 +326,8 @@ class IpcReduceScatter:
         started = _event(s, True) if t.timing else None
         row_bytes = self.cols * self.received_buf.element_size()
         for a, b in ([(0, self.m)] if whole else [self.pieces[j] for j in todo]):
-            comm.copy_split(self.received_buf[k - 1, a:b].data_ptr(),
-                            t._peer_addr(RS, src) + t.rank * self.stride + a * row_bytes, (b - a) * row_bytes, sp)
+            comm.copy(self.received_buf[k - 1, a:b].data_ptr(), t._peer_addr(RS, src) + t.rank * self.stride + a * row_bytes,
+                      (b - a) * row_bytes, sp)
         done.update(todo)
         if piece is not None:
             self.piece_events[(src, piece)] = _event(s, False)

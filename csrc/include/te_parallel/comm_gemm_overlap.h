@@ -53,17 +53,6 @@ TEP_API uint32_t* tep_comm_flags(const tep_comm* comm, int peer);
 /* Copy-engine copy of `bytes` from `src` to `dst` (any mix of local and peer-mapped addresses). */
 TEP_API tep_status tep_comm_copy(tep_comm* comm, void* dst, const void* src, size_t bytes, void* stream);
 
-/*
- * An optional second stream for large copies: tep_comm_copy_split (and the fused ops' pulls and
- * pushes) then move the first half of a copy of 1 MiB or more on the given stream and the second half
- * on this one, so that two copy engines share it; the given stream waits for both halves. NULL: every
- * copy on one stream. The stream must belong to the communicator's device and outlive its use.
- */
-TEP_API tep_status tep_comm_set_second_copy_stream(tep_comm* comm, void* second_stream);
-
-/* tep_comm_copy, split over two copy engines where tep_comm_set_second_copy_stream gave a stream. */
-TEP_API tep_status tep_comm_copy_split(tep_comm* comm, void* dst, const void* src, size_t bytes, void* stream);
-
 /* On `stream`: fence prior writes of this stream, then set peer's flags[flag] = value. */
 TEP_API tep_status tep_comm_signal(tep_comm* comm, int peer, int flag, uint32_t value, void* stream);
 
