@@ -236,6 +236,21 @@ def _native_rs_whole(rank, world, group, device, ub):
         dist.reduce_scatter_tensor(want, part.contiguous(), group=group)
         err, top = (got.float() - want).abs().max().item(), want.abs().max().item()
         assert err <= 2e-2 * top, f"native gemm_rs fp8={fp8}: max diff {err:.3g} (max |ref| {top:.3g})"
+    # bad arguments fail on every rank before anything is enqueued (so no rank waits for another)
+    comm, a16, w16 = ub.transport.comm, a.to(torch.bfloat16), w.to(torch.bfloat16)
+    out = torch.empty(64, 48, device=device, dtype=torch.bfloat16)
+    args = dict(a=a16.data_ptr(), a_dtype=2, b=w16.data_ptr(), b_dtype=2, scale_a=0, scale_b=0, k=96, n=48,
+                fast_accum=False, workspace=0, workspace_bytes=0, m=64, out_dtype=2, out=out.data_ptr(),
+                received=out.data_ptr(), send_offset=0, slot_stride=64 * 48 * 2, piece_starts=[], own_group=1,
+                ready_flag=0, done_flag=0, value_base=0, stream=0, side_stream=0)
+    with pytest.raises(RuntimeError, match="own_group=0 .* need m >= 1"):
+        comm.gemm_rs(**(args | dict(own_group=0)))
+    if world == 2:
+        with pytest.raises(RuntimeError, match="piece_starts must rise strictly from 0 to m=64"):
+            comm.gemm_rs(**(args | dict(piece_starts=[0, 48, 32, 64])))
+    else:
+        with pytest.raises(RuntimeError, match="more than 1 only at world size 2"):
+            comm.gemm_rs(**(args | dict(piece_starts=[0, 32, 64])))
 
 
 def _suite(rank, world, device):
