@@ -299,8 +299,8 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
     workspace = gemm_workspace(a.device, stream)
     with guard:
         module.gemm(a.data_ptr(), _DTYPES[a.dtype], b.data_ptr(), _DTYPES[b.dtype], m, n, k,
-                        a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
-                        0 if accumulate is None else accumulate.data_ptr(), out.data_ptr(), _DTYPES[out.dtype],
-                        0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(),
-                        GEMM_WORKSPACE_BYTES, stream)
+                    a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
+                    0 if accumulate is None else accumulate.data_ptr(), out.data_ptr(), _DTYPES[out.dtype],
+                    0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(),
+                    GEMM_WORKSPACE_BYTES, stream)
     return out

@@ -276,6 +276,16 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
                    m, num_pieces, own_group, comm ? comm->world : 0, comm ? "" : " (no communicator)");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
+  if (comm->world > 8 && num_pieces == 1) {
+    tep::set_error("tep_comm_gemm_rs: world size %d; the fp32 sum takes at most 8 partials", comm->world);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  const size_t part_bytes = static_cast<size_t>(m) * static_cast<size_t>(g->n) * elem_size(out_dtype);
+  if (part_bytes > slot_stride || send_offset + comm->world * slot_stride > comm->data_bytes) {
+    tep::set_error("tep_comm_gemm_rs: %d partials of %zu bytes at stride %zu from offset %zu do not fit the %zu-byte "
+                   "buffer", comm->world, part_bytes, slot_stride, send_offset, comm->data_bytes);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
   if (num_pieces > 1) {
     for (int j = 0; j < num_pieces; ++j) {
       if (piece_starts[j] >= piece_starts[j + 1] || piece_starts[0] != 0 || piece_starts[num_pieces] != m) {
@@ -323,10 +333,6 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
         !cuda_ok(cudaStreamWaitEvent(s, comm->events[0], 0), "cudaStreamWaitEvent", me))
       return TEP_ERROR_CUDA;
     const void* parts[8];
-    if (tp > 8) {
-      tep::set_error("tep_comm_gemm_rs: world size %d; the fp32 sum takes at most 8 partials", tp);
-      return TEP_ERROR_INVALID_ARGUMENT;
-    }
     for (int r = 0; r < tp; ++r) parts[r] = r == me ? own + me * slot_stride : recv + ((me - r + tp) % tp - 1) * nbytes;
     return tep_reduce_sum(parts, tp, out_dtype, out, out_dtype, static_cast<size_t>(m) * g->n, stream);
   }
@@ -363,8 +369,9 @@ tep_status tep_comm_ag_gemm(tep_comm* comm, const tep_gemm_args* g, long long m,
   const size_t a_row = static_cast<size_t>(g->k) * elem_size(g->a_dtype);
   const size_t chunk = static_cast<size_t>(m) * a_row;
   const size_t out_rows = static_cast<size_t>(m) * g->n * elem_size(out_dtype);
-  if (chunk > slot_bytes) {
-    tep::set_error("tep_comm_ag_gemm: a chunk of %zu bytes exceeds the %zu-byte slot", chunk, slot_bytes);
+  if (chunk > slot_bytes || recv_offset + tp * slot_bytes > comm->data_bytes) {
+    tep::set_error("tep_comm_ag_gemm: %d chunks of %zu bytes in %zu-byte slots from offset %zu do not fit the "
+                   "%zu-byte buffer", tp, chunk, slot_bytes, recv_offset, comm->data_bytes);
     return TEP_ERROR_INVALID_ARGUMENT;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream), side = static_cast<cudaStream_t>(side_stream);

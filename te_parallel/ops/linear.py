@@ -172,7 +172,8 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
             x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
     if par.overlap_fprop and not row:  # column: gather ring under the GEMM
         fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
-        y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias)[0]
+        y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias,
+                         fast_accum=gemm.FPROP_FAST_ACCUM)[0]
     elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
         fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc)  # noqa: E731
         y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, w=w_used)

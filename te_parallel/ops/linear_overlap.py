@@ -64,18 +64,18 @@ def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor) -> None:
 
 def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], None], n_out: int,
             out_dtype: torch.dtype, keep_gathered: bool, w: Optional[Operand] = None,
-            bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[Operand]]:
+            bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> Tuple[torch.Tensor, Optional[Operand]]:
     """(out [tp·m, n_out], the gathered A [tp·m, K] if keep_gathered else None).
-    w (+ bias): B as [n_out, K] (gemm_into's math: A·wᵀ + bias), for the native schedule."""
+    w (+ bias): B as [n_out, K] (gemm_into's math: A·wᵀ + bias), for the native schedule, whose FP8
+    GEMMs use fast_accum as gemm_into's do."""
     tp, me = ub.tp_size, ub.rank
     if isinstance(a_local, torch.Tensor):
         a_local = a_local.contiguous()
     if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
         ops = _native_operands(a_local, w, out_dtype, fp8_only=True)
         if ops is not None and (bias is None or (out_dtype != torch.float32 and bias.dtype == out_dtype)):
-            out, gathered = ub.ag_gemm(*ops, bias, out_dtype, keep_gathered, gemm.FPROP_FAST_ACCUM)
-            return out, (_wrap(gathered.view(torch.uint8), a_local) if isinstance(a_local, Float8Tensor)
-                         else gathered) if keep_gathered else None
+            out, gathered = ub.ag_gemm(*ops, bias, out_dtype, keep_gathered, fast_accum)
+            return out, (Float8Tensor(gathered, a_local.scale_inv) if keep_gathered else None)
     local = _bytes(a_local)
     m = local.shape[0]
     full = torch.empty((tp * m, *local.shape[1:]), dtype=local.dtype, device=local.device) if keep_gathered else None

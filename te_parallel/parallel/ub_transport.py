@@ -14,11 +14,15 @@ counter, identical on all ranks because they issue the same ops in the same orde
             my data into my own region, then signal ready[me] = gen on every consumer;
   consumer: wait ready[src] >= gen, pull src's region into private memory with the copy engine,
             then signal done[me] = gen on src.
-Each rank reads peers' memory (pull), so the gathered result lives in ordinary torch memory with
+The reduce-scatter channel counts pieces instead of ops: an op of P row pieces takes the values
+base+1 .. base+P (piece j is ready at base+j+1; done = base+P), and the next op starts at base+P.
+The all-gather pushes (the producer copies into every consumer's region), the reduce-scatter pulls
+(the owner of a chunk reads each peer's region), so results live in ordinary torch memory with
 ordinary lifetimes; only the small send regions are shared. Waits and signals are stream memory
-operations: no host round trip, no SM. Pulls go straight from the owner of a chunk (NVLink/NVSwitch
-nodes are fully connected), in ring order me+1, me+2, ... so that at each step every rank reads
-a different peer.
+operations: no host round trip, no SM. Copies go straight between the two GPUs (NVLink/NVSwitch
+nodes are fully connected), in ring order me+1, me+2, ... so that at each step every rank talks to
+a different peer. The native calls (IpcTransport.gemm_rs / ag_gemm, csrc/comm_gemm_overlap) run
+the same protocol on the same counters.
 """
 from __future__ import annotations
 
