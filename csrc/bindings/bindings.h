@@ -4,12 +4,20 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
 #include "te_parallel/te_parallel.h"
 
 namespace tep_bindings {
 
 // Throws RuntimeError(tep_last_error()) unless status is TEP_SUCCESS (call on the failing thread).
 void check(tep_status status);
+
+// A device address passed from Python as an int (0 = absent), as the C API's pointer type.
+template <typename T>
+T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
 
 void bind_norm(pybind11::module_& m);        // norm.cpp: LayerNorm / RMSNorm kernels
 void bind_activation(pybind11::module_& m);  // activation.cpp: bias + activation kernels

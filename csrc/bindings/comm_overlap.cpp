@@ -78,10 +78,9 @@ class Communicator {
   static tep_gemm_args args(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
                             std::uintptr_t scale_b, long long k, long long n, std::uintptr_t bias, bool fast_accum,
                             std::uintptr_t workspace, size_t workspace_bytes) {
-    return tep_gemm_args{reinterpret_cast<const void*>(a), a_dtype, reinterpret_cast<const void*>(b), b_dtype,
-                         reinterpret_cast<const float*>(scale_a), reinterpret_cast<const float*>(scale_b), k, n,
-                         reinterpret_cast<const void*>(bias), fast_accum ? 1 : 0, reinterpret_cast<void*>(workspace),
-                         workspace_bytes};
+    return tep_gemm_args{ptr<const void>(a), a_dtype, ptr<const void>(b), b_dtype, ptr<const float>(scale_a),
+                         ptr<const float>(scale_b), k, n, ptr<const void>(bias), fast_accum ? 1 : 0,
+                         ptr<void>(workspace), workspace_bytes};
   }
   // The GIL stays held in the fused ops: they only enqueue work (a few dozen launches and stream operations).
   void gemm_rs(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
@@ -91,10 +90,9 @@ class Communicator {
                int ready_flag, int done_flag, uint32_t value_base, std::uintptr_t stream, std::uintptr_t side_stream) {
     tep_gemm_args g = args(a, a_dtype, b, b_dtype, scale_a, scale_b, k, n, 0, fast_accum, workspace, workspace_bytes);
     const int pieces = piece_starts.size() > 1 ? static_cast<int>(piece_starts.size()) - 1 : 1;
-    check(tep_comm_gemm_rs(live(), &g, m, out_dtype, reinterpret_cast<void*>(out), reinterpret_cast<void*>(received),
-                           send_offset, slot_stride, piece_starts.size() > 2 ? piece_starts.data() : nullptr, pieces,
-                           own_group, ready_flag, done_flag, value_base, reinterpret_cast<void*>(stream),
-                           reinterpret_cast<void*>(side_stream)));
+    check(tep_comm_gemm_rs(live(), &g, m, out_dtype, ptr<void>(out), ptr<void>(received), send_offset, slot_stride,
+                           piece_starts.size() > 2 ? piece_starts.data() : nullptr, pieces, own_group, ready_flag,
+                           done_flag, value_base, ptr<void>(stream), ptr<void>(side_stream)));
   }
   void ag_gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
                std::uintptr_t scale_b, long long k, long long n, std::uintptr_t bias, bool fast_accum,
@@ -102,9 +100,8 @@ class Communicator {
                std::uintptr_t gathered, size_t recv_offset, size_t slot_bytes, int ready_flag, int done_flag,
                uint32_t value, std::uintptr_t stream, std::uintptr_t side_stream) {
     tep_gemm_args g = args(a, a_dtype, b, b_dtype, scale_a, scale_b, k, n, bias, fast_accum, workspace, workspace_bytes);
-    check(tep_comm_ag_gemm(live(), &g, m, out_dtype, reinterpret_cast<void*>(out), reinterpret_cast<void*>(gathered),
-                           recv_offset, slot_bytes, ready_flag, done_flag, value, reinterpret_cast<void*>(stream),
-                           reinterpret_cast<void*>(side_stream)));
+    check(tep_comm_ag_gemm(live(), &g, m, out_dtype, ptr<void>(out), ptr<void>(gathered), recv_offset, slot_bytes,
+                           ready_flag, done_flag, value, ptr<void>(stream), ptr<void>(side_stream)));
   }
 
  private:

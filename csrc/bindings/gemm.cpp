@@ -15,15 +15,10 @@ namespace tep_bindings {
 
 namespace {
 
-template <typename T>
-T* ptr(std::uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-
 void gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, long long m, long long n, long long k,
-              std::uintptr_t scale_a, std::uintptr_t scale_b, std::uintptr_t c, std::uintptr_t d, int d_dtype,
-              std::uintptr_t bias, bool fast_accum, std::uintptr_t workspace, size_t workspace_bytes,
-              std::uintptr_t stream) {
+          std::uintptr_t scale_a, std::uintptr_t scale_b, std::uintptr_t c, std::uintptr_t d, int d_dtype,
+          std::uintptr_t bias, bool fast_accum, std::uintptr_t workspace, size_t workspace_bytes,
+          std::uintptr_t stream) {
   check(tep_gemm(ptr<const void>(a), a_dtype, ptr<const void>(b), b_dtype, m, n, k, ptr<const float>(scale_a),
                      ptr<const float>(scale_b), ptr<const void>(c), ptr<void>(d), d_dtype, ptr<const void>(bias),
                      fast_accum ? 1 : 0, ptr<void>(workspace), workspace_bytes, ptr<void>(stream)));

@@ -16,11 +16,6 @@ namespace tep_bindings {
 
 namespace {
 
-template <typename P>
-P* ptr(std::uintptr_t p) {
-  return reinterpret_cast<P*>(p);
-}
-
 tep_norm_params make_params(int norm_type, long long rows, long long hidden, float eps, bool zero_centered_gamma,
                             std::uintptr_t gamma, std::uintptr_t beta, int w_dtype) {
   return {norm_type, rows, hidden, eps, zero_centered_gamma ? 1 : 0, ptr<const void>(gamma), ptr<const void>(beta),

@@ -75,7 +75,6 @@ using MatmulFn = Status (*)(Handle, MatmulDesc, const void* alpha, const void* a
                             void* d, MatrixLayout d_desc, const Algo* algo, void* workspace, size_t workspace_bytes,
                             void* stream);
 using StatusStringFn = const char* (*)(Status);
-using VersionFn = size_t (*)();
 
 }  // namespace tep_lt
 

@@ -104,6 +104,12 @@ class IpcTransport:
         self.seq = {RS: 0}  # flag values used by reduce-scatters so far (IpcReduceScatter)
         self.timing = False  # True: record timed events around every pull (benchmarks' overlap proof)
 
+    def take_rs_values(self, count: int) -> int:
+        """The base of the next reduce-scatter's `count` flag values (IpcReduceScatter's protocol)."""
+        base = self.seq[RS]
+        self.seq[RS] += count
+        return base
+
     # flags on every rank: [channel][ready | done][peer]
     def _ready(self, ch: int, peer: int) -> int:
         return (2 * ch) * self.tp + peer
@@ -143,9 +149,8 @@ class IpcTransport:
         n = b.shape[0]
         m = rows // self.tp
         nbytes = _check_scatter(self, rows, n, out_dtype)
-        spans = row_pieces(m, pieces) if pieces > 1 else [(0, m)]
-        base = self.seq[RS]
-        self.seq[RS] += len(spans)
+        spans = row_pieces(m, pieces)
+        base = self.take_rs_values(len(spans))
         stream = _current(self.device)
         out = torch.empty((m, n), dtype=out_dtype, device=self.device)
         received = torch.empty((self.tp - 1, m, n), dtype=out_dtype, device=self.device)
@@ -279,8 +284,7 @@ class IpcReduceScatter:
         nbytes = _check_scatter(t, rows, cols, dtype)
         self.nbytes, self.stride = nbytes, -(-nbytes // 256) * 256  # slot d at d·stride (same on every rank)
         self.pieces = row_pieces(self.m, pieces)
-        self.base = t.seq[RS]
-        t.seq[RS] += len(self.pieces)
+        self.base = t.take_rs_values(len(self.pieces))
         if self.base > 0:  # GEMMs write the send slots next: every consumer is done with the last op
             cur = _current(t.device)
             for p in t._peers():
