@@ -18,7 +18,11 @@ A last table gives NCCL's own all-gather / reduce-scatter bus bandwidth in the s
 convention: algorithm bandwidth = bytes of the whole gathered / unreduced tensor ÷ time, bus bandwidth =
 that × (tp-1)/tp), at the issue's size and a sweep, so the overlap rows can be read against the link.
 The timeline rows prove overlap without nsys: CUDA events on the compute stream (each chunk's GEMM)
-and on the copy stream (each pull), relative to the start of the op on rank 0.
+and on the copy stream (each pull), relative to the start of the op on rank 0. `--trace` adds, for
+the default (native) schedule, every GPU activity of one call (torch.profiler: kernels and copies
+with their streams), which the native calls cannot interleave with events.
+The layer rows include a schedule variant in the same run: short-K reduce-scatters (proj) in the
+default number of pieces instead of RS_PIECES_SHORT_K.
 """
 from __future__ import annotations
 
@@ -168,9 +172,9 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
     dist.barrier()
     cur = torch.cuda.current_stream()
     t0 = _ev(cur)
-    rows = ov._bytes(xq).shape[0]
+    rows, inner = ov._bytes(xq).shape
     m = rows // tp
-    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda", pieces=ov.rs_pieces(tp, m))
+    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda", pieces=ov.rs_pieces(tp, m, inner))
     spans = []
     if len(rs.pieces) > 1:  # gemm_rs's TP=2 schedule: pieces, and the own GEMM adds the received ones
         peer = 1 - rank
@@ -179,7 +183,6 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
             ov.fprop_into(ov._rows(xq, peer * m + a, peer * m + b), wq, None, rs.slot(peer)[a:b])
             spans.append((f"GEMM partial for rank {peer}, rows {a}:{b}", s, _ev(cur)))
             rs.ready(peer, j)
-            rs.pull_step(1, j)
         out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
         for j, (a, b) in enumerate(rs.pieces):
             acc = rs.received(peer, j)
@@ -194,12 +197,43 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
             ov.fprop_into(ov._rows(xq, d * m, (d + 1) * m), wq, None, rs.slot(d))
             spans.append((f"GEMM partial for rank {d}", s, _ev(cur)))
             rs.ready(d)
+            if k > 1:
+                rs.pull_step(k - 1)
         rs.finish(torch.bfloat16)
     for i, (a, b) in enumerate(rs.pulls):
         spans.append((f"pull partial {i} (copy engine)", a, b))
     torch.cuda.synchronize()
     ub.transport.timing = False
     return [(name, t0.elapsed_time(a), t0.elapsed_time(b)) for name, a, b in spans]
+
+
+def gpu_trace(fn, tries: int = 3):
+    """GPU activities (kernels, copies) of one call of fn, issued on an idle GPU after a barrier, from
+    torch.profiler (CUPTI): [(name, start_us, end_us, stream)], relative to the first activity, of the
+    last of `tries` calls. Shows where the native calls' copies run against their GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spans = []
+    for _ in range(tries):
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        acts = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
+        t0 = min((e.start_ns() for e in acts), default=0)
+        spans = sorted(((_short(e.name()), (e.start_ns() - t0) / 1e3, (e.start_ns() + e.duration_ns() - t0) / 1e3,
+                         e.device_resource_id()) for e in acts), key=lambda r: r[1])
+    return spans
+
+
+def _short(name: str) -> str:
+    if "Memcpy" in name or "memcpy" in name:
+        return "copy " + name.split("(")[-1].rstrip(")") if "(" in name else name
+    for key in ("nvjet", "sm90_xmma", "cutlass", "gemm", "reduce_kernel", "nccl"):
+        if key in name:
+            return f"{key}: {name[:60]}"
+    return name[:70]
 
 
 def nccl_rows(group, tp: int, sizes_mib) -> list:
@@ -260,10 +294,25 @@ class _NoTransfer:
         collectives._all_gather, collectives._reduce_scatter = self.saved
 
 
+@contextlib.contextmanager
+def _set(module, **values):
+    """Module constants set for the duration (a schedule variant in the same run)."""
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def layer_rows(ub, group, rank, tp, batch):
     rows = []
     ovl = dict(ub_tp_comm_overlap=True, ub_comm=ub)
     cases = [("no overlap (NCCL)", {}, contextlib.nullcontext), ("overlap", ovl, contextlib.nullcontext),
+             (f"overlap, short-K reduce-scatters in {ov.RS_PIECES} pieces (not {ov.RS_PIECES_SHORT_K})", ovl,
+              lambda: _set(ov, RS_PIECES_SHORT_K=ov.RS_PIECES)),
              ("no communication at all (floor)", {}, _NoTransfer)]
     for name, extra, ctx in cases:
         _, step = seed_layer_step(group, tp, batch, extra)
@@ -284,11 +333,13 @@ def main() -> None:
     ap.add_argument("--layer", action="store_true")
     ap.add_argument("--layer-batch", type=int, nargs="+", default=[4], help="micro-batches of the layer rows")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", action="store_true",
+                    help="also print each op's GPU activities (torch.profiler) for one call of the default schedule")
     args = ap.parse_args()
     rank, tp, group = init_torchrun_nccl()
     tokens = max(tp * args.m, 2048 * max(args.layer_batch))
     ub = te.initialize_ub([tokens, max(args.k, args.n)], group, use_fp8=True, dtype=torch.bfloat16)
-    rows, timelines = [], []
+    rows, timelines, traces = [], [], []
     for kind, make in (("AG+GEMM", ag_cases), ("GEMM+RS", rs_cases)):
         for use_fp8 in (False, True):
             if kind == "AG+GEMM":
@@ -322,6 +373,8 @@ def main() -> None:
             for _ in range(3):  # the last of three (warm clocks and caches)
                 spans = timeline()
             timelines.append((label, spans))
+            if args.trace:
+                traces.append((f"{label}, default schedule", gpu_trace(ovl)))
     layer = [r for b in args.layer_batch for r in layer_rows(ub, group, rank, tp, b)] if args.layer else []
     issue_mib = tp * args.m * args.k * 2 // 2 ** 20  # the AG rows' gathered bf16 input
     nccl = nccl_rows(group, tp, sorted({8, 64, issue_mib, 512}))
@@ -335,6 +388,10 @@ def main() -> None:
                   f"that events can be recorded between the steps)")
             for name, a, b in spans:
                 print(f"  {name:<40} {a:8.3f} .. {b:8.3f}")
+        for label, spans in traces:
+            print(f"\nGPU activities, {label} (rank 0, one call on an idle GPU, us from its first activity)")
+            for name, a, b, stream in spans:
+                print(f"  stream {stream:<3} {a:8.1f} .. {b:8.1f}  ({b - a:6.1f})  {name}")
         if layer:
             report(f"TransformerLayer (seed config) TP={tp}+SP FP8", layer, ["case", "ms", "speedup", "synced_ms", "host_ms"],
                    args.json.replace(".json", "_layer.json") if args.json else None)

@@ -84,11 +84,56 @@ def profile_case(step, steps: int, rank: int):
         if cls not in ("copy", "memset"):
             per_stream["sm"].append((ev.time_range.start, ev.time_range.end))
     busy = union_ms(per_stream["sm"]) / steps
+    gaps = idle_gaps(prof, steps)
     row = {"step_ms": step_ms, "sm_busy_ms": busy, "sm_idle_ms": step_ms - busy}
     for cls in ("gemm", "nccl", "attention", "other", "copy"):
         row[f"{cls}_ms"] = by_class[cls] / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
-    return row, [(cls, name, t / 1e3 / steps, n // steps) for (cls, name), (t, n) in top]
+    return row, [(cls, name, t / 1e3 / steps, n // steps) for (cls, name), (t, n) in top], gaps
+
+
+def _short(name: str) -> str:
+    name = name.replace("void ", "").replace("(anonymous namespace)::", "")
+    for key in ("nvjet", "nccl", "flash", "fmha", "Memcpy"):
+        if key in name:
+            return name[:52]
+    return name.split("<")[0].split("(")[0][:52]
+
+
+def idle_gaps(prof, steps: int, min_us: float = 5.0, top: int = 16):
+    """The SMs' idle gaps of at least min_us between kernels, summed per (kernel before, kernel after)
+    pair: [(before, after, us per step, gaps per step, us of copies inside, us the host was late)].
+    "Host late": the next kernel's launch call returned after the gap began, so the GPU waited for the
+    host; the rest of a gap is a wait on the GPU (a peer's flag, a copy's event). Times are CUPTI's,
+    on the host's clock."""
+    kernels, copies, launched = [], [], {}
+    for ev in prof.profiler.kineto_results.events():
+        name = ev.name()
+        if ev.device_type() == torch.autograd.DeviceType.CUDA:
+            cls = kernel_class(name)
+            span = (ev.start_ns() / 1e3, (ev.start_ns() + ev.duration_ns()) / 1e3, name, ev.correlation_id())
+            if cls == "copy":
+                copies.append(span)
+            elif cls != "memset":
+                kernels.append(span)
+        elif name.startswith("cu") and ev.correlation_id():
+            launched[ev.correlation_id()] = (ev.start_ns() + ev.duration_ns()) / 1e3
+    kernels.sort()
+    per_pair = defaultdict(lambda: [0.0, 0, 0.0, 0.0])
+    end, before = None, None
+    for a, b, name, corr in kernels:
+        if end is not None and a - end >= min_us:
+            inside = sum(max(0.0, min(cb, a) - max(ca, end)) for ca, cb, _, _ in copies)
+            late = min(a - end, max(0.0, launched.get(corr, end) - end))
+            entry = per_pair[(_short(before), _short(name))]
+            entry[0] += a - end
+            entry[1] += 1
+            entry[2] += inside
+            entry[3] += late
+        if end is None or b > end:
+            end, before = b, name
+    ranked = sorted(per_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(b, a, us / steps, n / steps, cp / steps, late / steps) for (b, a), (us, n, cp, late) in ranked]
 
 
 def main() -> None:
@@ -100,13 +145,14 @@ def main() -> None:
     ub = te.initialize_ub([2048 * a.batch, 4096], group, use_fp8=True, dtype=torch.bfloat16)
     cases = [("NCCL", {}, contextlib.nullcontext), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub),
              contextlib.nullcontext), ("no communication (floor)", {}, _NoTransfer)]
-    rows, tops = [], []
+    rows, tops, all_gaps = [], [], []
     for name, extra, ctx in cases:
         _, step = seed_layer_step(group, tp, a.batch, extra)
         with ctx():
-            row, top = profile_case(step, a.steps, rank)
+            row, top, gaps = profile_case(step, a.steps, rank)
         rows.append({"case": name, **row})
         tops.append((name, top))
+        all_gaps.append((name, gaps))
         del step
         torch.cuda.empty_cache()
     if rank == 0:
@@ -120,6 +166,11 @@ def main() -> None:
             print(f"\ntop kernels, {name} (ms per step, launches per step)")
             for cls, kname, ms, n in top:
                 print(f"  {cls:<9} {ms:7.3f} {n:4d}  {kname}")
+        for name, gaps in all_gaps:
+            print(f"\nSM idle gaps >= 5 us, {name} (per step: us idle, gaps, us of copies running inside them, us "
+                  f"of them the host was late)")
+            for before, after, us, n, cp, late in gaps:
+                print(f"  {us:7.1f} {n:5.1f} {cp:7.1f} {late:7.1f}  {before}  ->  {after}")
     ub.destroy()
     dist.destroy_process_group()
 

@@ -3,7 +3,11 @@ in tests/distributed/test_overlap.py on two GPUs)."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from te_parallel.ops.linear_overlap import RS_MIN_PIECE_ROWS, RS_PIECES, rs_pieces
+import pytest
+import torch
+
+from te_parallel.ops import linear_overlap as ov
+from te_parallel.ops.linear_overlap import RS_MIN_PIECE_ROWS, RS_PIECES, RS_PIECES_SHORT_K, RS_SHORT_K, rs_pieces
 from te_parallel.parallel.ub_transport import row_pieces
 
 
@@ -22,6 +26,10 @@ def test_row_pieces_cover_the_rows_in_16_row_steps(m, pieces):
 
 def test_rs_pieces_only_at_tp2_and_for_long_chunks():
     assert rs_pieces(2, 4096) == RS_PIECES == 2
+    assert rs_pieces(2, 4096, k=RS_SHORT_K) == 2  # K at or above RS_SHORT_K: compute-bound pieces
+    assert rs_pieces(2, 4096, k=RS_SHORT_K - 16) == RS_PIECES_SHORT_K == 4  # copy-bound: smaller pieces
+    assert rs_pieces(2, 3 * RS_MIN_PIECE_ROWS, k=2048) == 3  # never a piece under RS_MIN_PIECE_ROWS rows
+    assert rs_pieces(4, 4096, k=2048) == 1
     assert rs_pieces(2, 2 * RS_MIN_PIECE_ROWS) == 2
     assert rs_pieces(2, RS_MIN_PIECE_ROWS) == 1  # one piece: the unpieced schedule (fp32 sum pass)
     assert rs_pieces(4, 4096) == rs_pieces(8, 4096) == 1
@@ -50,3 +58,77 @@ def test_native_operands_picks_what_tep_gemm_takes():
     assert _native_operands(a16, w16, torch.bfloat16, fp8_only=True) is None  # the bf16 ring stays bit-exact
     assert _native_operands(a16, w16.to(torch.float16), torch.bfloat16) is None
     assert _native_operands(torch.zeros(64, 32, dtype=torch.bfloat16).t(), w16, torch.bfloat16) is None  # strided
+
+
+class _LoggedReduceScatter:
+    """Records the order in which gemm_rs issues its GEMMs, signals and pulls (what a stream sees)."""
+
+    def __init__(self, log, tp, me, m, cols, pieces):
+        self.log, self.tp, self.me, self.m = log, tp, me, m
+        self.pieces = row_pieces(m, pieces)
+        self.slots = torch.zeros(tp, m, cols)
+
+    def slot(self, d):
+        return self.slots[d]
+
+    def ready(self, d, piece=None):
+        self.log.append(("ready", d, piece))
+
+    def pull_step(self, k, piece=None):
+        self.log.append(("pull", (self.me - k) % self.tp, piece))
+
+    def received(self, src, piece):
+        self.log.append(("pull", src, piece))
+        a, b = self.pieces[piece]
+        return torch.zeros(b - a, self.slots.shape[2])
+
+    def finish_accumulated(self, out):
+        return out
+
+    def finish(self, dtype):
+        return self.slots[self.me].to(dtype)
+
+
+class _LoggedUb:
+    transport_name = "p2p"  # the Python-issued schedule
+
+    def __init__(self, tp, me, log):
+        self.tp_size, self.rank, self.log = tp, me, log
+
+    def reduce_scatter(self, rows, cols, dtype, device, pieces=1):
+        return _LoggedReduceScatter(self.log, self.tp_size, self.rank, rows // self.tp_size, cols, pieces)
+
+
+@pytest.mark.parametrize("tp,me,k", [(2, 0, 4096), (2, 1, 2048), (4, 1, 4096), (8, 5, 4096)])
+def test_gemm_rs_issues_each_pull_after_the_gemm_that_follows_it(tp, me, k):
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 all streams feed one hardware queue and a wait that is not
+    satisfied yet holds back everything issued after it (benchmarks/bench_p2p.py --ipc shows the same
+    for a kernel queued behind a copy). So a pull, which waits for a peer's flag, must not be issued
+    before a GEMM that does not need it: a late peer would stall that GEMM too."""
+    log = []
+    m = 1024
+    a = torch.randn(tp * m, k)
+    w = torch.randn(64, k)
+
+    def gemm_into(a_rows, out, accumulate=None):
+        log.append(("gemm", "own" if accumulate is not None else None, a_rows.data_ptr()))
+        ov.fprop_into(a_rows, w, None, out, accumulate)
+
+    ov.gemm_rs(_LoggedUb(tp, me, log), a, gemm_into, 64, torch.float32, w=None)
+    kinds = [e[0] for e in log]
+    gemms = [i for i, kind in enumerate(kinds) if kind == "gemm"]
+    pulls = [i for i, kind in enumerate(kinds) if kind == "pull"]
+    readies = [i for i, e in enumerate(log) if e[0] == "ready" and e[1] != me]  # (ready(me) is a no-op)
+    assert pulls and readies and max(readies) < max(gemms)
+    if tp == 2:  # pieces: every GEMM for the peer and its signal come before the first pull
+        peer_gemms = [i for i in gemms if log[i][1] is None]
+        assert len(peer_gemms) == rs_pieces(tp, m, k)
+        assert max(peer_gemms) < min(pulls) and max(readies) < min(pulls)
+        # piece j of the own partial is pulled right before the own GEMM that adds it
+        own = [i for i in gemms if log[i][1] == "own"]
+        assert [i + 1 for i in pulls] == own
+    else:  # whole partials: the pull of step k comes after the GEMM of step k+1 (and its signal)
+        assert len(pulls) == tp - 1 and len(gemms) == tp
+        for step, p in enumerate(pulls, start=1):
+            assert gemms[step] < p
+            assert log[p][1] == (me - step) % tp

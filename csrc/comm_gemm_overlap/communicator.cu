@@ -315,19 +315,25 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
   if (value_base > 0) {  // every consumer finished pulling the previous op's partials out of my slots
     for (int k = 1; k < tp; ++k) TEP_TRY(tep_comm_wait(comm, done_flag + (me + k) % tp, value_base, stream));
   }
+  // Issue order (CUDA_DEVICE_MAX_CONNECTIONS=1: all streams feed one hardware queue, where a wait
+  // that is not yet satisfied, or a kernel behind a copy, holds back everything issued after it):
+  // each pull is issued one step late, after the next GEMM, so a late peer never delays a GEMM that
+  // does not need its data; and every signal a peer waits for is issued before any wait of mine.
+  auto pull_whole = [&](int k) -> tep_status {  // what rank me-k computed for me at its step k
+    const int src = (me - k + tp) % tp;
+    tep_status r = tep_comm_wait(comm, ready_flag + src, last, side_stream);
+    if (r == TEP_SUCCESS)
+      r = tep_comm_copy(comm, recv + (k - 1) * nbytes, comm->bases[src] + send_offset + me * slot_stride, nbytes,
+                        side_stream);
+    if (r == TEP_SUCCESS) r = tep_comm_signal(comm, src, done_flag + me, last, side_stream);
+    return r;
+  };
   if (num_pieces == 1) {
     for (int k = 1; k <= tp; ++k) {
       const int d = (me + k) % tp;
       TEP_TRY(gemm_rows(g, static_cast<long long>(d) * m, m, nullptr, own + d * slot_stride, out_dtype, stream));
-      if (d == me) break;
-      TEP_TRY(tep_comm_signal(comm, d, ready_flag + me, last, stream));
-      // Pull what rank me-k computed for me at its step k (issued after my own step k: with one
-      // hardware queue a wait blocks what is issued after it, and the peer needs my step k first).
-      const int src = (me - k + tp) % tp;
-      TEP_TRY(tep_comm_wait(comm, ready_flag + src, last, side_stream));
-      TEP_TRY(tep_comm_copy(comm, recv + (k - 1) * nbytes, comm->bases[src] + send_offset + me * slot_stride, nbytes,
-                            side_stream));
-      TEP_TRY(tep_comm_signal(comm, src, done_flag + me, last, side_stream));
+      if (d != me) TEP_TRY(tep_comm_signal(comm, d, ready_flag + me, last, stream));
+      if (k > 1) TEP_TRY(pull_whole(k - 1));
     }
     if (!cuda_ok(cudaEventRecord(comm->events[0], side), "cudaEventRecord", me) ||
         !cuda_ok(cudaStreamWaitEvent(s, comm->events[0], 0), "cudaStreamWaitEvent", me))
@@ -337,10 +343,15 @@ tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m,
     return tep_reduce_sum(parts, tp, out_dtype, out, out_dtype, static_cast<size_t>(m) * g->n, stream);
   }
   const int peer = 1 - me;
+  // The peer's pieces first, each signalled as written; then the pulls, each once the peer signals that
+  // piece (issued after all my GEMMs for the peer: see the issue order above).
   for (int j = 0; j < num_pieces; ++j) {
     const long long a = piece_starts[j], rows = piece_starts[j + 1] - a;
     TEP_TRY(gemm_rows(g, peer * m + a, rows, nullptr, own + peer * slot_stride + a * row_bytes, out_dtype, stream));
     TEP_TRY(tep_comm_signal(comm, peer, ready_flag + me, value_base + j + 1, stream));
+  }
+  for (int j = 0; j < num_pieces; ++j) {
+    const long long a = piece_starts[j], rows = piece_starts[j + 1] - a;
     TEP_TRY(tep_comm_wait(comm, ready_flag + peer, value_base + j + 1, side_stream));
     TEP_TRY(tep_comm_copy(comm, recv + a * row_bytes, comm->bases[peer] + send_offset + me * slot_stride + a * row_bytes,
                           rows * row_bytes, side_stream));

@@ -102,11 +102,21 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
 RS_PIECES = 2
 RS_MIN_PIECE_ROWS = 256
 RS_OWN_GROUP = 1  # pulled pieces per GEMM of the own partial (native schedule)
+# A GEMM with a short inner dimension K is copy-bound: its partial's bytes per row are the same, its
+# FLOPs per row K-fold fewer (at K = 2048, pulling a row over NVLink takes about twice as long as
+# computing it). Then the pulls are the critical path, and smaller pieces start them sooner and leave
+# a shorter last own GEMM behind them.
+RS_SHORT_K = 4096
+RS_PIECES_SHORT_K = 4
 
 
-def rs_pieces(tp: int, m: int) -> int:
-    """Row pieces of a TP=tp reduce-scatter whose chunks have m rows (1: the unpieced schedule)."""
-    return max(1, min(RS_PIECES, m // RS_MIN_PIECE_ROWS)) if tp == 2 else 1
+def rs_pieces(tp: int, m: int, k: Optional[int] = None) -> int:
+    """Row pieces of a TP=tp reduce-scatter whose chunks have m rows, from a GEMM with inner
+    dimension k (1: the unpieced schedule)."""
+    if tp != 2:
+        return 1
+    want = RS_PIECES_SHORT_K if k is not None and k < RS_SHORT_K else RS_PIECES
+    return max(1, min(want, m // RS_MIN_PIECE_ROWS))
 
 
 # The whole GEMM + reduce-scatter schedule is enqueued by one native call (tep_comm_gemm_rs) where it
@@ -136,22 +146,23 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
     gemm_into(a_rows, out, accumulate=None) writes a_rows·B (+ accumulate) into out; w: B's weight
     [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call)."""
     tp, me = ub.tp_size, ub.rank
-    rows = _bytes(a_full).shape[0]
+    rows, k = _bytes(a_full).shape
     m = rows // tp
     device = _bytes(a_full).device
     if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
         ops = _native_operands(a_full, w, out_dtype)
         if ops is not None:
-            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m), gemm.FPROP_FAST_ACCUM, RS_OWN_GROUP)
-    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m))
+            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m, k), gemm.FPROP_FAST_ACCUM, RS_OWN_GROUP)
+    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m, k))
+    # Each pull is issued after the next GEMM (as the native call does): with CUDA_DEVICE_MAX_CONNECTIONS=1
+    # a wait for a late peer would otherwise hold back a GEMM that does not need the peer's data.
     if len(rs.pieces) > 1:  # TP=2 (rs_pieces): the peer's partial in pieces, then the own one adds them
         peer = 1 - me
         for j, (a, b) in enumerate(rs.pieces):
             gemm_into(_rows(a_full, peer * m + a, peer * m + b), rs.slot(peer)[a:b])
             rs.ready(peer, j)
-            rs.pull_step(1, j)  # the peer's piece j for me, under my next GEMM
         out = torch.empty((m, n_out), dtype=out_dtype, device=device)
-        for j, (a, b) in enumerate(rs.pieces):
+        for j, (a, b) in enumerate(rs.pieces):  # received() pulls piece j, under the GEMM before
             gemm_into(_rows(a_full, me * m + a, me * m + b), out[a:b], rs.received(peer, j))
         return rs.finish_accumulated(out)
     for k in range(1, tp + 1):
@@ -159,8 +170,8 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
         a_rows = _rows(a_full, d * m, (d + 1) * m)
         gemm_into(a_rows, rs.slot(d))
         rs.ready(d)
-        if k < tp:  # pull what rank me-k computed for me at its step k, under the next GEMM
-            rs.pull_step(k)
+        if k > 1:  # what rank me-k+1 computed for me at its step k-1, under this GEMM's successor
+            rs.pull_step(k - 1)
     return rs.finish(out_dtype)
 
 
@@ -201,8 +212,7 @@ class BulkBackward:
                 dgrad_into(_rows(dy, d * m, (d + 1) * m), w, rs.slot(d))
         for k in range(1, ub.tp_size + 1):  # step order, the same on every rank (P2P pairs messages by step)
             rs.ready((ub.rank + k) % ub.tp_size)
-        rs.start_pulls()
-        rs.finish(out_dtype, async_op=True)
+        rs.finish(out_dtype, async_op=True)  # the pulls now, the sum in dx_local (after wgrad is issued)
         self.rs = rs
 
     def x_full(self) -> Operand:

@@ -364,34 +364,30 @@ class IpcReduceScatter:
         self.out = out
         return out
 
-    def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> torch.Tensor:
+    def finish(self, out_dtype: torch.dtype, async_op: bool = False) -> Optional[torch.Tensor]:
         """[m, cols] sum of the partials for this rank (after `start_pulls`), in fp32 in rank order.
-        async_op: the sum runs on the RS stream; call `wait()` before using it on the current stream."""
-        t = self.t
+        async_op: only the pulls are issued now; the sum runs on the caller's stream at `wait()`. Issue
+        the work to overlap (the wgrad GEMM) between the two: with CUDA_DEVICE_MAX_CONNECTIONS=1 a
+        kernel issued behind the pulls holds back everything issued after it until they end."""
         self.start_pulls()  # any step not pulled yet (each step is issued once)
-        s, cur = t.streams[RS], torch.cuda.current_stream(t.device)
-        ordered = [self.parts[r] for r in range(t.tp)]
-        if async_op:  # bulk: the sum joins the pulls on the RS stream, off the GEMMs' stream
-            s.wait_stream(cur)  # own partial written
-            with torch.cuda.stream(s):
-                out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
-                self._sum(ordered, out, s)
-            out.record_stream(cur)
-        else:
-            cur.wait_stream(s)  # pulls done
-            out = torch.empty((self.m, self.cols), dtype=out_dtype, device=t.device)
-            self._sum(ordered, out, cur)
-        self.received_buf.record_stream(cur)
-        self.out = out
-        return out
+        self.out_dtype, self.out = out_dtype, None
+        return None if async_op else self.wait()
+
+    def wait(self) -> torch.Tensor:
+        if self.out is None:
+            t = self.t
+            cur = torch.cuda.current_stream(t.device)
+            cur.wait_stream(t.streams[RS])  # pulls done
+            out = torch.empty((self.m, self.cols), dtype=self.out_dtype, device=t.device)
+            self._sum([self.parts[r] for r in range(t.tp)], out, cur)
+            self.received_buf.record_stream(cur)
+            self.out = out
+        return self.out
 
     def _sum(self, parts, out, stream) -> None:
         _native.load().reduce_sum([p.data_ptr() for p in parts], _TEP_DTYPES[self.dtype], out.data_ptr(),
                                   _TEP_DTYPES[out.dtype], out.numel(), stream.cuda_stream)
 
-    def wait(self) -> torch.Tensor:
-        torch.cuda.current_stream(self.t.device).wait_stream(self.t.streams[RS])
-        return self.out
 
 
 class P2PTransport:
