@@ -21,8 +21,9 @@ The timeline rows prove overlap without nsys: CUDA events on the compute stream 
 and on the copy stream (each pull), relative to the start of the op on rank 0. `--trace` adds, for
 the default (native) schedule, every GPU activity of one call (torch.profiler: kernels and copies
 with their streams), which the native calls cannot interleave with events.
-The layer rows include a schedule variant in the same run: short-K reduce-scatters (proj) in the
-default number of pieces instead of RS_PIECES_SHORT_K.
+The layer rows include schedule variants in the same run: short-K reduce-scatters (proj) in the
+default number of pieces instead of RS_PIECES_SHORT_K, and the column backward's reduce-scatter
+pipelined with its dgrad (ub_overlap_rs_dgrad) instead of bulk under wgrad.
 """
 from __future__ import annotations
 
@@ -313,6 +314,8 @@ def layer_rows(ub, group, rank, tp, batch):
     cases = [("no overlap (NCCL)", {}, contextlib.nullcontext), ("overlap", ovl, contextlib.nullcontext),
              (f"overlap, short-K reduce-scatters in {ov.RS_PIECES} pieces (not {ov.RS_PIECES_SHORT_K})", ovl,
               lambda: _set(ov, RS_PIECES_SHORT_K=ov.RS_PIECES)),
+             ("overlap, column dgrad + reduce-scatter pipelined (ub_overlap_rs_dgrad)",
+              dict(ovl, ub_overlap_rs_dgrad=True), contextlib.nullcontext),
              ("no communication at all (floor)", {}, _NoTransfer)]
     for name, extra, ctx in cases:
         _, step = seed_layer_step(group, tp, batch, extra)

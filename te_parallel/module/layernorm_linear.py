@@ -92,7 +92,7 @@ class LayerNormLinear(FP8Module, TensorParallelMixin):
         check_parallel_mode("LayerNormLinear", parallel_mode)
         bwd = ub_overlap_ag or ub_overlap_rs_dgrad or ub_bulk_dgrad or ub_bulk_wgrad
         self_ub = overlap_settings("LayerNormLinear", parallel_mode, sequence_parallel, ub_comm, ub_name,
-                                   fprop=ub_overlap_ag, dgrad=bwd)
+                                   fprop=ub_overlap_ag, dgrad=bwd, rs_dgrad=ub_overlap_rs_dgrad)
         if self_ub is not None and parallel_mode != "column":
             raise ValueError("LayerNormLinear: comm-GEMM overlap needs parallel_mode='column'")
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)

@@ -65,7 +65,7 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         mode = "column" if set_parallel_mode else None
         fc1_bwd = ub_overlap_ag or ub_overlap_rs_dgrad or ub_bulk_dgrad or ub_bulk_wgrad
         self.ub_fc1 = overlap_settings("LayerNormMLP", mode, sequence_parallel, ub_comm, "fc1",
-                                       fprop=ub_overlap_ag, dgrad=fc1_bwd)
+                                       fprop=ub_overlap_ag, dgrad=fc1_bwd, rs_dgrad=ub_overlap_rs_dgrad)
         self.ub_fc2 = overlap_settings("LayerNormMLP", mode and "row", sequence_parallel, ub_comm, "fc2",
                                        fprop=ub_overlap_rs, dgrad=ub_overlap_ag)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)

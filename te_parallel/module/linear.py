@@ -118,7 +118,7 @@ class Linear(FP8Module, TensorParallelMixin):
         else:  # column fprop AG+GEMM; backward: AG(x) under dgrad, RS(dx) under wgrad
             bwd = ub_overlap_ag or ub_overlap_rs_dgrad or ub_bulk_dgrad or ub_bulk_wgrad
             self_ub = overlap_settings("Linear", parallel_mode, sequence_parallel, ub_comm, ub_name,
-                                       fprop=ub_overlap_ag, dgrad=bwd)
+                                       fprop=ub_overlap_ag, dgrad=bwd, rs_dgrad=ub_overlap_rs_dgrad)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         super().__init__(num_gemms=1, device=device)
         self._init_tp("Linear", tp_group, tp_size, sequence_parallel)
@@ -156,7 +156,8 @@ class Linear(FP8Module, TensorParallelMixin):
             par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather)
         else:
             ub.comm.check_group(type(self).__name__, self.tp_group)
-            par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop, ub.dgrad)
+            par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop, ub.dgrad,
+                                 ub.rs_dgrad)
         if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
             check_scatter_dim(type(self).__name__, inp.shape[0] if scatter_rows is None else scatter_rows, self.tp_size)
         return par
@@ -178,13 +179,15 @@ class UbSettings:
     comm: object  # te_parallel.parallel.overlap.CommOverlap
     fprop: bool
     dgrad: bool
+    rs_dgrad: bool = False  # column: dx reduce-scattered pipelined with dgrad, not under wgrad
 
 
 def overlap_settings(owner: str, mode: Optional[str], sequence_parallel: bool, ub_comm, ub_name: Optional[str],
-                     fprop: bool, dgrad: bool) -> Optional[UbSettings]:
+                     fprop: bool, dgrad: bool, rs_dgrad: bool = False) -> Optional[UbSettings]:
     """Validates the ub_* arguments of one GEMM; None when nothing overlaps.
 
-    fprop: column AG+GEMM / row GEMM+RS requested; dgrad: row AG+dgrad / column bulk backward requested.
+    fprop: column AG+GEMM / row GEMM+RS requested; dgrad: row AG+dgrad / column bulk backward requested;
+    rs_dgrad (column): the backward's reduce-scatter pipelined with dgrad (ub_overlap_rs_dgrad).
     ub_cfgs of the communicator can switch a GEMM off by its "<ub_name>_<fprop|dgrad>" key.
     """
     if not (fprop or dgrad):
@@ -197,8 +200,9 @@ def overlap_settings(owner: str, mode: Optional[str], sequence_parallel: bool, u
     if mode is None or not sequence_parallel:
         raise ValueError(f"{owner}: comm-GEMM overlap needs parallel_mode 'column'/'row' with sequence_parallel=True "
                          f"(got parallel_mode={mode!r}, sequence_parallel={sequence_parallel})")
-    return UbSettings(ub_comm, fprop and ub_comm.config(ub_name, "fprop").enabled,
-                      dgrad and ub_comm.config(ub_name, "dgrad").enabled)
+    dgrad_on = dgrad and ub_comm.config(ub_name, "dgrad").enabled
+    return UbSettings(ub_comm, fprop and ub_comm.config(ub_name, "fprop").enabled, dgrad_on,
+                      dgrad_on and rs_dgrad and mode == "column")
 
 
 def local_features(owner: str, in_features: int, out_features: int, parallel_mode, tp_size: int):

@@ -144,9 +144,11 @@ def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Option
                   accumulate)
 
 
-def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):
-    """dx [M, K] = dy [M, N] · W [N, K]."""
-    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad", out)
+def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+          accumulate: Optional[torch.Tensor] = None):
+    """dx [M, K] = dy [M, N] · W [N, K] (+ accumulate)."""
+    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad", out,
+                  accumulate=accumulate)
 
 
 def wgrad(dy: Float8Tensor, x: Float8Tensor, out_dtype: torch.dtype):

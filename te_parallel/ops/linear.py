@@ -57,6 +57,7 @@ class LinearParallel:
     ub: Optional[object] = None
     ub_fprop: bool = False  # column: AG+GEMM ring; row: GEMM+RS by destination chunk
     ub_dgrad: bool = False  # row: AG(dy)+dgrad ring; column: AG(x) under dgrad, RS(dx) under wgrad
+    ub_rs_dgrad: bool = False  # column, with ub_dgrad: RS(dx) pipelined with dgrad instead (ub_overlap_rs_dgrad)
     # whether the layer is split at all, decided once: the properties below are read several times per GEMM
     active: bool = field(init=False, repr=False, compare=False)
 
@@ -332,14 +333,16 @@ def _overlapped_backward(s, dy, need_dx: bool, need_dw: bool):
         if need_dw:
             dw = _wgrad(dy_full, s.x_saved, wdtype)
         return dx2d, dy_full, dw
-    # column: x re-gathered under dgrad, dx reduce-scattered under wgrad
+    # column: x re-gathered under dgrad; dx reduce-scattered under wgrad (bulk) or pipelined with dgrad
     bulk = ov.BulkBackward(par.ub, s.x_saved if need_dw else None)
-    if need_dx:
+    if need_dx and par.ub_rs_dgrad:
+        dx2d = ov.dgrad_rs(par.ub, dy, s.w_saved, s.act_dtype)
+    elif need_dx:
         rows = _rows_of(dy)
         bulk.dgrad_rs(dy, s.w_saved, rows, s.w_saved.shape[1], s.act_dtype, _device_of(dy))
     if need_dw:
         dw = _wgrad(dy, bulk.x_full(), wdtype)
-    if need_dx:
+    if need_dx and dx2d is None:
         dx2d = bulk.dx_local()
     return dx2d, dy, dw
 

@@ -54,10 +54,12 @@ def fprop_into(x: Operand, w: Operand, bias: Optional[torch.Tensor], out: torch.
         torch.addmm(bias.to(out.dtype), x, w.t(), out=out)
 
 
-def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor) -> None:
-    """out [rows, K] = dy [rows, N] · W."""
+def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor, accumulate: Optional[torch.Tensor] = None) -> None:
+    """out [rows, K] = dy [rows, N] · W (+ accumulate, added in the GEMM's epilogue)."""
     if isinstance(dy, Float8Tensor):
-        gemm.dgrad(dy, w, out.dtype, out=out)
+        gemm.dgrad(dy, w, out.dtype, out=out, accumulate=accumulate)
+    elif accumulate is not None:
+        torch.addmm(accumulate, dy, w, out=out)
     else:
         torch.matmul(dy, w, out=out)
 
@@ -141,10 +143,11 @@ def _native_operands(a: Operand, w: Operand, out_dtype: torch.dtype, fp8_only: b
 
 
 def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out_dtype: torch.dtype,
-            w: Optional[Operand] = None) -> torch.Tensor:
+            w: Optional[Operand] = None, fast_accum: Optional[bool] = None) -> torch.Tensor:
     """[m, n_out]: this rank's rows of sum over ranks of A·B, computed by destination chunk.
     gemm_into(a_rows, out, accumulate=None) writes a_rows·B (+ accumulate) into out; w: B's weight
-    [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call)."""
+    [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call), whose FP8 GEMMs use
+    fast accumulation if fast_accum (default: as fprop's do)."""
     tp, me = ub.tp_size, ub.rank
     rows, k = _bytes(a_full).shape
     m = rows // tp
@@ -152,7 +155,8 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
     if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
         ops = _native_operands(a_full, w, out_dtype)
         if ops is not None:
-            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m, k), gemm.FPROP_FAST_ACCUM, RS_OWN_GROUP)
+            fast = gemm.FPROP_FAST_ACCUM if fast_accum is None else fast_accum
+            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m, k), fast, RS_OWN_GROUP)
     rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m, k))
     # Each pull is issued after the next GEMM (as the native call does): with CUDA_DEVICE_MAX_CONNECTIONS=1
     # a wait for a late peer would otherwise hold back a GEMM that does not need the peer's data.
@@ -173,6 +177,17 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
         if k > 1:  # what rank me-k+1 computed for me at its step k-1, under this GEMM's successor
             rs.pull_step(k - 1)
     return rs.finish(out_dtype)
+
+
+def dgrad_rs(ub, dy: Operand, w: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """Column-parallel dgrad with its reduce-scatter pipelined (TE's ub_overlap_rs_dgrad): this rank's
+    rows of sum over ranks of dy·W, by gemm_rs's schedule (at TP=2 the received pieces are added in
+    the own GEMM's epilogue: no summing pass, and the pulls end under the dgrad, not after it)."""
+    w_t = None  # B = Wᵀ [K, N] for the native call (FP8 keeps one; bf16 would need a copy of W)
+    if isinstance(w, Float8Tensor):
+        w_t = Float8Tensor(w.transposed(), w.scale_inv)
+    return gemm_rs(ub, dy, lambda a, out, c=None: dgrad_into(a, w, out, c), w.shape[1], out_dtype, w=w_t,
+                   fast_accum=False)
 
 
 def _rows(a: Operand, start: int, stop: int) -> Operand:

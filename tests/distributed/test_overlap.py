@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import te_parallel as te
+from te_parallel.ops import linear_overlap
 from te_parallel import recipe as R
 from tests.distributed.harness import Checks, spawn, worlds
 
@@ -59,7 +60,7 @@ def _compare(name, got, want, exact_out, exact_dx, tol):
         check(f"grad {n}", grads[n], grads0[n], exact_out and exact_dx)
 
 
-def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64, hidden=64):
+def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64, hidden=64, rs_dgrad=False):
     dtype = _dtype(device)
     gen = torch.Generator().manual_seed(1)
     ffn = 96 * world
@@ -67,6 +68,8 @@ def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64
     kw = dict(parallel_mode=mode, sequence_parallel=True, tp_group=group, bias=bias, params_dtype=dtype, device=device)
     ref = te.Linear(in_f, out_f, **kw)
     flags = dict(ub_overlap_ag=True) if mode == "column" else dict(ub_overlap_rs=True, ub_overlap_ag=True)
+    if rs_dgrad:  # column backward: dx's reduce-scatter pipelined with dgrad instead of bulk under wgrad
+        flags["ub_overlap_rs_dgrad"] = True
     ovl = te.Linear(in_f, out_f, ub_comm=ub, ub_name="qkv" if mode == "column" else "proj", **flags, **kw)
     with torch.no_grad():
         for p, q in zip(ref.parameters(), ovl.parameters()):
@@ -82,12 +85,19 @@ def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64
     recipe = _recipe(recipe_name)
     want = _run(ref, x, dy, recipe)
     before = dict(ub.counts)
-    got = _run(ovl, x, dy, recipe)
+    pipelined = []
+    dgrad_rs = linear_overlap.dgrad_rs
+    linear_overlap.dgrad_rs = lambda *a, **k: (pipelined.append(1), dgrad_rs(*a, **k))[1]
+    try:
+        got = _run(ovl, x, dy, recipe)
+    finally:
+        linear_overlap.dgrad_rs = dgrad_rs
+    assert len(pipelined) == int(rs_dgrad), f"ub_overlap_rs_dgrad={rs_dgrad}: pipelined dgrad ran {len(pipelined)}x"
     # column: AG in fprop, AG(x) + RS(dx) in backward; row: RS in fprop, AG(dy) in backward
     want_ops = {"all_gather": 2, "reduce_scatter": 1} if mode == "column" else {"all_gather": 1, "reduce_scatter": 1}
     assert {k: ub.counts[k] - before[k] for k in before} == want_ops, (ub.counts, before)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    name = f"Linear {mode} bias={bias} fp8={recipe_name}"
+    name = f"Linear {mode} bias={bias} fp8={recipe_name}{' rs_dgrad' if rs_dgrad else ''}"
     # FP8 AG+GEMM through the native schedule runs te_parallel's cuBLASLt call, the reference torch's
     # _scaled_mm: two callers of cuBLASLt whose kernels may differ, so no bit-exactness is claimed
     exact = not (recipe is not None and ub.transport_name == "ipc" and _native_schedule())
@@ -103,14 +113,14 @@ def _native_schedule():
     return linear_overlap.NATIVE_SCHEDULE and _native.gemm_usable()
 
 
-def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidden=128):
+def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidden=128, rs_dgrad=False):
     dtype = _dtype(device)
     torch.manual_seed(3)
     kw = dict(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=8, hidden_dropout=0.0,
               attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
               params_dtype=dtype, device=device)
     ref = te.TransformerLayer(**kw)
-    ovl = te.TransformerLayer(ub_tp_comm_overlap=True, ub_comm=ub, **kw)
+    ovl = te.TransformerLayer(ub_tp_comm_overlap=True, ub_comm=ub, ub_overlap_rs_dgrad=rs_dgrad, **kw)
     ovl.load_state_dict(ref.state_dict())
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(world, seq // world, 2, hidden, generator=gen).to(dtype)[rank].to(device)
@@ -122,7 +132,8 @@ def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidde
     # qkv + fc1 (column): 2 AG + 1 RS each; proj + fc2 (row): 1 AG + 1 RS each
     assert {k: ub.counts[k] - before[k] for k in before} == {"all_gather": 6, "reduce_scatter": 4}, ub.counts
     tol = (8e-2 if recipe else 3e-2) if dtype == torch.bfloat16 else (1e-4 if recipe is None else 5e-2)
-    _compare(f"TransformerLayer fp8={recipe_name}", got, want, exact_out=False, exact_dx=False, tol=tol)
+    _compare(f"TransformerLayer fp8={recipe_name} rs_dgrad={rs_dgrad}", got, want, exact_out=False, exact_dx=False,
+             tol=tol)
 
 
 def _primitives(rank, world, group, device, ub):
@@ -275,7 +286,12 @@ def _suite(rank, world, device):
             for rec in ("off", "delayed", "current"):
                 checks.run(f"Linear {mode} {bias} {rec}", _linear_case, mode, bias, rec, rank, world, group, device, ub)
     for rec in ("off", "delayed"):
+        checks.run(f"Linear column rs_dgrad {rec}", _linear_case, "column", True, rec, rank, world, group, device, ub,
+                   64, 64, True)
+    for rec in ("off", "delayed"):
         checks.run(f"TransformerLayer {rec}", _transformer_case, rec, rank, world, group, device, ub)
+    checks.run("TransformerLayer delayed rs_dgrad", _transformer_case, "delayed", rank, world, group, device, ub,
+               64, 128, True)
     checks.run("buffer too small", _too_small, rank, world, group, device, ub)
     checks.run("bad arguments", _bad_arguments, rank, world, group, device, ub)
     checks.run("ub_cfgs method off", _cfg_off, rank, world, group, device)
