@@ -149,15 +149,15 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
     [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call), whose FP8 GEMMs use
     fast accumulation if fast_accum (default: as fprop's do)."""
     tp, me = ub.tp_size, ub.rank
-    rows, k = _bytes(a_full).shape
+    rows, inner = _bytes(a_full).shape
     m = rows // tp
     device = _bytes(a_full).device
     if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
         ops = _native_operands(a_full, w, out_dtype)
         if ops is not None:
             fast = gemm.FPROP_FAST_ACCUM if fast_accum is None else fast_accum
-            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m, k), fast, RS_OWN_GROUP)
-    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m, k))
+            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m, inner), fast, RS_OWN_GROUP)
+    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m, inner))
     # Each pull is issued after the next GEMM (as the native call does): with CUDA_DEVICE_MAX_CONNECTIONS=1
     # a wait for a late peer would otherwise hold back a GEMM that does not need the peer's data.
     if len(rs.pieces) > 1:  # TP=2 (rs_pieces): the peer's partial in pieces, then the own one adds them
