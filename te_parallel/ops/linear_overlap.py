@@ -11,7 +11,9 @@ Shapes on one rank, tp ranks, me = this rank, M = tokens of the whole sequence, 
       shared send slot of d; d pulls it while step k+1 computes; then each rank adds its tp partials.
       At TP=2, in row pieces: piece j of the peer's partial is pulled while piece j+1 is computed,
       and the own partial's GEMM adds the pulled pieces in its epilogue (no separate sum).
-  bulk      column bwd     AG(x_local) under dgrad, RS(dx) under wgrad (side streams).
+      A pull waits for a peer's flag, so it is issued after the GEMM that follows it (see gemm_rs).
+  dgrad_rs  column bwd     dy [M, N/tp] -> dx_local [m, K]  gemm_rs's schedule on dgrad (ub_overlap_rs_dgrad)
+  bulk      column bwd     AG(x_local) under dgrad, RS(dx) under wgrad (side streams; the default).
 
 The collective moves "a tensor": FP8 operands travel as their uint8 bytes and are re-wrapped with the
 shared scale_inv (every rank cast with the same, TP-reduced scale), so FP8 gathers move half the bytes.
