@@ -389,7 +389,6 @@ class IpcReduceScatter:
                                   _TEP_DTYPES[out.dtype], out.numel(), stream.cuda_stream)
 
 
-
 class P2PTransport:
     """The same exchanges over torch.distributed isend/irecv on the TP group (any backend)."""
 
