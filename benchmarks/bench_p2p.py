@@ -1,4 +1,4 @@
-"""Bandwidth of the ways one GPU can move a reduce-scatter partial to another, two GPUs in one process.
+"""Bandwidth of the ways one GPU can move a reduce-scatter partial to another (two GPUs).
 
 The overlap's reduce-scatter at TP=2 is bound by how fast a partial crosses NVLink while a GEMM runs
 (docs/overlap.md). This measures, for the same bytes:
@@ -12,7 +12,9 @@ The overlap's reduce-scatter at TP=2 is bound by how fast a partial crosses NVLi
     torchrun --nproc-per-node=2 benchmarks/bench_p2p.py --ipc    # between processes, as the overlap copies
 
 With --ipc, each of two processes maps the other's buffer through te_parallel's communicator (CUDA IPC)
-and the copies are tep_comm_copy calls on a side stream, exactly as the overlap issues them.
+and the copies are tep_comm_copy calls on a side stream, exactly as the overlap issues them. It also
+probes what one hardware queue serialises (run it with CUDA_DEVICE_MAX_CONNECTIONS=1 and unset): a GEMM
+issued after [peer copy; one command] on a side stream, and how long it waits for the copy.
 """
 from __future__ import annotations
 
@@ -189,7 +191,7 @@ def ipc_main(args) -> int:
     for mib in args.mib:
         nb = mib * 1024 * 1024
         for name, fn in (("IPC CE push, both ways", push), ("IPC CE pull, both ways", pull),
-                         ("local CE copy (same GPU)", local_copy)):
+                         ("local copy (same GPU)", local_copy)):
             alone, _ = timed(fn, nb, False)
             beside, g = timed(fn, nb, True)
             rows.append({"mib": mib, "case": name, "ms": alone, "GBps": nb / alone / 1e6,
