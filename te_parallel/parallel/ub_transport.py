@@ -36,7 +36,12 @@ from te_parallel import _native
 
 AG, RS = 0, 1  # channels: all-gather (one chunk region) and reduce-scatter (tp chunk regions)
 _TEP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_GEMM_DTYPES = {**_TEP_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_GEMM_DTYPES = _native._DTYPES  # (the same codes, FP8 included, as every native call takes)
+
+
+def _slot_stride(nbytes: int) -> int:
+    """Distance between a reduce-scatter's send slots: the same on every rank, and in the native call."""
+    return -(-nbytes // 256) * 256
 
 
 def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
@@ -160,7 +165,7 @@ class IpcTransport:
                           0 if a_scale_inv is None else a_scale_inv.data_ptr(),
                           0 if b_scale_inv is None else b_scale_inv.data_ptr(), k, n, fast_accum,
                           workspace.data_ptr(), workspace.numel(), m, _GEMM_DTYPES[out_dtype], out.data_ptr(),
-                          received.data_ptr(), self.offsets[RS], -(-nbytes // 256) * 256, starts, own_group,
+                          received.data_ptr(), self.offsets[RS], _slot_stride(nbytes), starts, own_group,
                           self._ready(RS, 0), self._done(RS, 0), base, stream, self.raw[RS])
         received.record_stream(self.streams[RS])  # (the copies write it there)
         return out
@@ -282,7 +287,7 @@ class IpcReduceScatter:
     def __init__(self, t: IpcTransport, rows: int, cols: int, dtype: torch.dtype, pieces: int = 1) -> None:
         self.t, self.m, self.cols, self.dtype = t, rows // t.tp, cols, dtype
         nbytes = _check_scatter(t, rows, cols, dtype)
-        self.nbytes, self.stride = nbytes, -(-nbytes // 256) * 256  # slot d at d·stride (same on every rank)
+        self.nbytes, self.stride = nbytes, _slot_stride(nbytes)  # slot d at d·stride
         self.pieces = row_pieces(self.m, pieces)
         self.base = t.take_rs_values(len(self.pieces))
         if self.base > 0:  # GEMMs write the send slots next: every consumer is done with the last op
