@@ -1,13 +1,15 @@
 """Host overhead of one small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime).
 
-    python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--profile] [--json out.json]
+    python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--profile] [--json out.json]
 
 Microseconds of host time per forward call, for `calls` calls issued back to back while the GPU is
 held busy by a sleep kernel, so the host never waits for the GPU and what is timed is only the work
 of issuing the call (Python, autograd bookkeeping, allocator, kernel launches). Rows: training forward
 (grad enabled) and inference forward (no_grad). FP8 rows run all calls inside one fp8_autocast region
 (as a model's forward does) with the weight cast cached (is_first_microbatch=False after the first call);
-the once-per-region cost (the delayed-scaling update at the region's exit) is its own row.
+the once-per-region cost (the delayed-scaling update at the region's exit) is its own row. The FP8
+rows run the GEMM in FP8 (min_fp8_gemm=0); one more row has the default recipe, under whose
+min_fp8_gemm a GEMM this small runs in bf16.
 --profile prints the top functions of the FP8 training forward under cProfile.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -29,33 +32,43 @@ from te_parallel import _native, recipe  # noqa: E402
 from te_parallel.ops import gemm  # noqa: E402
 
 
-def host_us(call, calls: int, region=contextlib.nullcontext, repeats: int = 7) -> float:
-    """Median over `repeats` of the per-call host time of `calls` calls issued behind a GPU sleep."""
-    for _ in range(20):  # warm-up: allocator pools, lazy inits, cuBLAS handles
-        with region():
+def issue_us(call, calls: int, region=contextlib.nullcontext) -> float:
+    """Host microseconds per call of `calls` calls issued behind a GPU sleep (so the host never waits)."""
+    torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time ahead of the calls
+    busy = torch.cuda.Event()
+    busy.record()
+    t0 = time.perf_counter()
+    with region():
+        for _ in range(calls):
             call()
+    dt = time.perf_counter() - t0
+    if busy.query():
+        print("warning: the GPU went idle while the host issued the calls; raise the sleep", file=sys.stderr)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time ahead of the calls
-        busy = torch.cuda.Event()
-        busy.record()
-        t0 = time.perf_counter()
-        with region():
-            for _ in range(calls):
+    return dt / calls * 1e6
+
+
+def measure(cases, calls: int, rounds: int) -> dict:
+    """{name: (median, min) host us per call} of cases [(name, call, region)], measured in `rounds`
+    interleaved rounds (every case once per round): a host's speed drifts by tens of percent within a
+    run, and interleaving spreads the drift over all cases instead of favouring the ones timed first."""
+    for _, call, region in cases:
+        for _ in range(20):  # warm-up: allocator pools, lazy inits, cuBLAS handles
+            with region():
                 call()
-        dt = time.perf_counter() - t0
-        if busy.query():
-            print("warning: the GPU went idle while the host issued the calls; raise the sleep", file=sys.stderr)
-        torch.cuda.synchronize()
-        times.append(dt / calls * 1e6)
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times = {name: [] for name, _, _ in cases}
+    for _ in range(rounds):
+        for name, call, region in cases:
+            times[name].append(issue_us(call, calls, region))
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="128x1024x1024")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -66,7 +79,10 @@ def main() -> None:
     x = torch.randn(m, k, device="cuda", dtype=dt, requires_grad=True)
     ref = torch.nn.Linear(k, n, device="cuda", dtype=dt)
     lin = te.Linear(k, n, device="cuda", params_dtype=dt)
-    delayed, current = recipe.DelayedScaling(), recipe.Float8CurrentScaling()
+    # min_fp8_gemm=0: the GEMM in FP8 whatever its size (the issue's row). A default recipe runs this
+    # shape in bf16 (Recipe.min_fp8_gemm), which is its own row.
+    delayed, current = recipe.DelayedScaling(min_fp8_gemm=0), recipe.Float8CurrentScaling(min_fp8_gemm=0)
+    default = recipe.DelayedScaling()
 
     def fp8_region(rec):
         return lambda: te.fp8_autocast(fp8_recipe=rec)
@@ -74,44 +90,61 @@ def main() -> None:
     def te_call():
         lin(x, is_first_microbatch=False)
 
+    def native(call):  # the same, with te_parallel's cuBLASLt call for the GEMM
+        def run():
+            gemm.NATIVE_GEMM = True
+            try:
+                call()
+            finally:
+                gemm.NATIVE_GEMM = False
+        return run
+
+    nothing = contextlib.nullcontext
     rows = []
     for grad in (True, False):
         mode = torch.enable_grad if grad else torch.no_grad
+        cases = [("torch bf16 nn.Linear", lambda: ref(x), nothing),
+                 ("te bf16", te_call, nothing),
+                 ("te FP8 delayed", te_call, fp8_region(delayed)),
+                 ("te FP8 current", te_call, fp8_region(current)),
+                 ("te FP8 delayed, default recipe (bf16 GEMM below min_fp8_gemm)", te_call, fp8_region(default))]
+        if _native.gemm_usable():
+            cases += [("te FP8 delayed, native GEMM", native(te_call), fp8_region(delayed)),
+                      ("te FP8 current, native GEMM", native(te_call), fp8_region(current))]
         with mode():
-            base = host_us(lambda: ref(x), a.calls)
-            cases = [("torch bf16 nn.Linear", base),
-                     ("te bf16", host_us(te_call, a.calls)),
-                     ("te FP8 delayed", host_us(te_call, a.calls, fp8_region(delayed))),
-                     ("te FP8 current", host_us(te_call, a.calls, fp8_region(current)))]
-            if _native.gemm_usable():  # the same, with te_parallel's cuBLASLt call for the GEMM
-                gemm.NATIVE_GEMM = True
-                cases += [("te FP8 delayed, native GEMM", host_us(te_call, a.calls, fp8_region(delayed))),
-                          ("te FP8 current, native GEMM", host_us(te_call, a.calls, fp8_region(current)))]
-                gemm.NATIVE_GEMM = False
-        for name, us in cases:
-            rows.append({"forward": "training" if grad else "no_grad", "case": name, "host_us": us,
-                         "vs_torch": us / base})
-    # Once per fp8_autocast region: the exit's fused delayed-scaling update (amortised over the model).
-    exit_us = host_us(lambda: None, 1, fp8_region(delayed))
-    with te.fp8_autocast(fp8_recipe=delayed):
-        te_call()
-    region_us = host_us(te_call, 1, fp8_region(delayed)) - host_us(te_call, a.calls, fp8_region(delayed))
-    rows.append({"forward": "per region", "case": "fp8_autocast enter+exit (no module)", "host_us": exit_us,
-                 "vs_torch": None})
-    rows.append({"forward": "per region", "case": "exit update of one module", "host_us": region_us,
-                 "vs_torch": None})
-    report(f"Host time per Linear forward ({a.shape}, bf16; us per call, median)", rows,
-           ["forward", "case", "host_us", "vs_torch"], a.json)
-    if a.profile:
-        prof = cProfile.Profile()
-        with te.fp8_autocast(fp8_recipe=delayed):
-            prof.enable()
-            for _ in range(2000):
-                te_call()
-            prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            got = measure(cases, a.calls, a.rounds)
+        base = got["torch bf16 nn.Linear"]
+        for name, (med, low) in got.items():
+            rows.append({"forward": "training" if grad else "no_grad", "case": name, "host_us": med,
+                         "vs_torch": med / base[0], "min_us": low, "min_vs_torch": low / base[1]})
+    # Once per fp8_autocast region: entering, and the exit's fused delayed-scaling update (amortised
+    # over the model). Regions back to back, `calls` per timing, as consecutive training steps run them.
+    def region_of(call):
+        def run():
+            with te.fp8_autocast(fp8_recipe=delayed):
+                call()
+        return run
 
+    got = measure([("empty", region_of(lambda: None), nothing), ("one", region_of(te_call), nothing),
+                   ("call", te_call, fp8_region(delayed))], a.calls, a.rounds)
+    rows.append({"forward": "per region", "case": "fp8_autocast enter+exit (no module)", "host_us": got["empty"][0]})
+    rows.append({"forward": "per region", "case": "enter+exit with one module (its update), less its forward",
+                 "host_us": got["one"][0] - got["call"][0]})
+    report(f"Host time per Linear forward ({a.shape}, bf16; us per call: median and min of {a.rounds} rounds)",
+           rows, ["forward", "case", "host_us", "vs_torch", "min_us", "min_vs_torch"], a.json)
+    if a.profile:  # cProfile of the FP8 training forward, with torch._scaled_mm and with the native GEMM
+        for native_gemm in (False, True) if _native.gemm_usable() else (False,):
+            gemm.NATIVE_GEMM = native_gemm
+            prof = cProfile.Profile()
+            with te.fp8_autocast(fp8_recipe=delayed):
+                prof.enable()
+                for _ in range(2000):
+                    te_call()
+                prof.disable()
+            gemm.NATIVE_GEMM = False
+            torch.cuda.synchronize()
+            print(f"\ncProfile of 2000 FP8 delayed training forwards, native GEMM: {native_gemm}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py layer  [--recipe delayed|current|bf16|torch] [--batch 4]
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
     add --host to linear / layer for a cProfile of the host side of 8 steps
+    add --gaps to linear / layer for the idle gaps between kernels (and whether the host was late)
 
 `linear` / `layer` print the kernels of 5 profiled steps grouped by name (total ms per step, calls per
 step), the GPU busy time per step and the host time to issue one step. `gemm` times the three GEMMs of a
@@ -58,10 +59,16 @@ def profile(kind: str, args) -> list:
     host_ms = (time.perf_counter() - t0) * 1000 / 3
     torch.cuda.synchronize()
     steps = 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    before = torch.cuda.memory_stats()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if args.gaps:  # the launch calls too: whether the host was late for the kernel after a gap
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    if args.gaps:
+        _print_gaps(prof, steps, before)
     per_name = defaultdict(lambda: [0.0, 0])
     spans = []
     for ev in prof.events():
@@ -81,6 +88,20 @@ def profile(kind: str, args) -> list:
                      "share": t / busy})
     report(f"{kind} {args.recipe} kernels", rows, ["ms_per_step", "calls_per_step", "share", "kernel"], None)
     return [{"kind": kind, "recipe": args.recipe, "step_ms": ms, "host_ms": host_ms, "gpu_ms": busy}] + rows
+
+
+def _print_gaps(prof, steps: int, before: dict) -> None:
+    """The largest idle gaps between kernels per (kernel before, kernel after), and the caching
+    allocator's device calls over the profiled steps (a cudaMalloc / cudaFree synchronises the GPU)."""
+    from profile_layer_kernels import idle_gaps
+
+    rows = [{"before": b, "after": a, "us_per_step": us, "gaps_per_step": n, "host_late_us": late}
+            for b, a, us, n, _, late in idle_gaps(prof, steps, top=12)]
+    report("idle gaps between kernels (per step; host_late: the next launch returned after the gap began)",
+           rows, ["us_per_step", "gaps_per_step", "host_late_us", "before", "after"], None)
+    after = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    print("allocator over the profiled steps: " + ", ".join(f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in keys))
 
 
 def _span_and_covered(spans):
@@ -155,6 +176,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead of the kernels")
+    ap.add_argument("--gaps", action="store_true", help="also list the idle gaps between kernels and their cause")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -190,28 +190,28 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     if module is None:
         raise RuntimeError("cast_transpose_amax: te_parallel._C is absent; use the PyTorch path")
     ok = (x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.dtype in CAST_INPUT_DTYPES and x.numel() > 0
-          and scale.is_cuda and scale.dtype == torch.float32 and scale.numel() == 1 and fp8_dtype in _DTYPES
-          and all(t is None or (t.is_cuda and t.dtype == torch.float32 and t.numel() == 1)
-                  for t in (amax_out, scale_inv_out, scale_out)) and (rowwise or transpose))
+          and scale is not None and _f32_cell(scale) and fp8_dtype in _DTYPES and _f32_cell(amax_out)
+          and _f32_cell(scale_inv_out) and _f32_cell(scale_out) and (rowwise or transpose))
     if not ok:
         raise ValueError(f"cast_transpose_amax: got x {_describe(x)}, scale {_describe(scale)}, amax_out "
                          f"{_describe(amax_out)}, scale_inv_out {_describe(scale_inv_out)}, scale_out "
                          f"{_describe(scale_out)}, rowwise={rowwise}, transpose={transpose}; need a contiguous "
                          "non-empty 2-D fp32/fp16/bf16 CUDA x, fp32 CUDA scalars and at least one output")
     rows, cols = x.shape
-    if dbias_out is not None and not (dbias_out.device == x.device and dbias_out.dtype in CAST_INPUT_DTYPES
+    device = x.device
+    if dbias_out is not None and not (dbias_out.device == device and dbias_out.dtype in CAST_INPUT_DTYPES
                                       and dbias_out.shape == (cols,) and dbias_out.is_contiguous()):
         raise ValueError(f"cast_transpose_amax: dbias_out is {_describe(dbias_out)}; need a contiguous "
-                         f"[{cols}] fp32/fp16/bf16 tensor on {x.device}")
+                         f"[{cols}] fp32/fp16/bf16 tensor on {device}")
     if dbias_out is not None and (not rowwise or scale_out is not None):
         raise ValueError(f"cast_transpose_amax: dbias_out goes with the row-wise cast and no scale_out; got "
                          f"rowwise={rowwise}, scale_out {_describe(scale_out)}")
-    data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device) if rowwise else None
-    data_t = torch.empty(cols, rows, dtype=fp8_dtype, device=x.device) if transpose else None
-    guard, stream = launch_on(x.device)
+    data = torch.empty(rows, cols, dtype=fp8_dtype, device=device) if rowwise else None
+    data_t = torch.empty(cols, rows, dtype=fp8_dtype, device=device) if transpose else None
+    guard, stream = launch_on(device)
     if dbias_out is not None:
         ws_bytes = module.cast_transpose_dbias_workspace_size(rows, cols)
-        workspace = torch.empty(ws_bytes // 4, dtype=torch.float32, device=x.device)
+        workspace = torch.empty(ws_bytes // 4, dtype=torch.float32, device=device)
         with guard:
             module.cast_transpose_dbias(x.data_ptr(), _DTYPES[x.dtype], rows, cols, scale.data_ptr(), data.data_ptr(),
                                         0 if data_t is None else data_t.data_ptr(),
@@ -228,6 +228,11 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                                    0 if scale_inv_out is None else scale_inv_out.data_ptr(),
                                    0 if scale_out is None else scale_out.data_ptr(), _DTYPES[fp8_dtype], stream)
     return data, data_t
+
+
+def _f32_cell(t: torch.Tensor | None) -> bool:
+    """None, or a 1-element fp32 CUDA tensor (a scale, an amax cell, a scale_inv out)."""
+    return t is None or (t.is_cuda and t.dtype is torch.float32 and t.numel() == 1)
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:

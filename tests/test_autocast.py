@@ -55,6 +55,25 @@ def test_backward_scales_update_when_backward_ends(device):
     assert b.fp8_state.bwd_amax_history[0].item() == 0 and b.fp8_state.bwd_amax_history[1].item() == dy.abs().max().item()
 
 
+def test_backward_updates_continue_after_a_backward_that_raised(device):
+    """A backward pass that raises never runs its end-of-pass callback; the passes after it must still
+    update their backward scales (the queued-update marker is per pass, not a flag left set)."""
+    bad = _lin(device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+        y = bad(x)
+    with torch.no_grad():
+        bad.weight.mul_(2.0)  # backward's FP8 weight check raises after the gradient cast recorded its amax
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        y.sum().backward()
+    good = _lin(device)
+    for step in (1, 2):
+        with te.fp8_autocast(fp8_recipe=R.DelayedScaling()):
+            y = good(x)
+        y.sum().backward()
+        assert good.fp8_state.updates() == [step, step]
+
+
 def test_calibrating_records_amax_without_fp8(device):
     m = _lin(device)
     x = torch.randn(16, 32, device=device, requires_grad=True)
@@ -140,7 +159,11 @@ def test_is_fp8_available():
 
 
 def test_old_gpu_raises(monkeypatch):
+    from te_parallel.fp8 import autocast
+
+    monkeypatch.setattr(autocast, "_FP8_CAPABLE", {})  # the answer is kept per device: ask again
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
     assert te.is_fp8_available(return_reason=True) == (False, "FP8 needs compute capability >= 8.9 (Ada/Hopper); NVIDIA A100 has 8.0")

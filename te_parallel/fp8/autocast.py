@@ -69,7 +69,10 @@ _TLS = _ThreadState()
 # Backward runs on autograd engine threads, so its pending list is shared and locked.
 _BWD = _PendingUpdates()
 _BWD_LOCK = threading.Lock()
-_BWD_QUEUED = [False]
+# The backward pass (autograd graph task id) whose end-of-pass update is queued. An id, not a flag:
+# a pass that raises never runs its callback, and a flag left set would stop every later pass's update.
+_BWD_QUEUED: List[Optional[int]] = [None]
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def current_frame() -> Optional[FP8Frame]:
@@ -102,17 +105,18 @@ def record_forward(state: FP8ScalingState, recipe: DelayedScaling, group) -> Non
 
 def record_backward(state: FP8ScalingState, recipe: DelayedScaling, group) -> None:
     """Called from a backward: update `state`'s backward scales when this backward pass ends."""
+    task = _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else -1
     with _BWD_LOCK:
         _BWD.add(state, recipe, group, backward=True)
-        if _BWD_QUEUED[0]:
+        if _BWD_QUEUED[0] == task:
             return
-        _BWD_QUEUED[0] = True
+        _BWD_QUEUED[0] = task
     torch.autograd.Variable._execution_engine.queue_callback(_finish_backward)
 
 
 def _finish_backward() -> None:
     with _BWD_LOCK:
-        _BWD_QUEUED[0] = False
+        _BWD_QUEUED[0] = None
         entries, _BWD.entries = _BWD.entries, {}
     _reduce_and_update(list(entries.items()))
 
@@ -147,14 +151,22 @@ def _update_members(members, backward: bool) -> None:
         update_delayed_scaling(tensors, recipe, fp8_max(dtype), update_scale)
 
 
+_FP8_CAPABLE: Dict[int, Tuple[bool, str]] = {}  # current CUDA device -> (ok, reason), asked once per device
+
+
 def is_fp8_available(return_reason: bool = False):
     """FP8 runs on CPU (for development) and on CUDA GPUs of compute capability >= 8.9."""
     ok, reason = True, ""
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            name = torch.cuda.get_device_name()
-            ok, reason = False, f"FP8 needs compute capability >= 8.9 (Ada/Hopper); {name} has {major}.{minor}"
+        device = torch.cuda.current_device()
+        known = _FP8_CAPABLE.get(device)
+        if known is None:  # (every fp8_autocast entry asks; the device's properties cost microseconds)
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                name = torch.cuda.get_device_name(device)
+                ok, reason = False, f"FP8 needs compute capability >= 8.9 (Ada/Hopper); {name} has {major}.{minor}"
+            known = _FP8_CAPABLE[device] = (ok, reason)
+        ok, reason = known
     return (ok, reason) if return_reason else ok
 
 

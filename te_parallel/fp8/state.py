@@ -45,6 +45,9 @@ class FP8ScalingState(nn.Module):
         # buffer only when a state dict is taken: a device write per update was a launch at the end of
         # every pass and, in the host profile of the seed layer, where the host waited for the GPU.
         self._count_host = [0, 0]
+        # (backward, slot) -> (history, scale, scale view, amax cell view): the per-cast look-ups of
+        # `slot_views`, valid while the buffers are the same tensor objects (every update is in place).
+        self._views: dict = {}
 
     def _apply(self, fn, recurse=True):
         """`module.to(dtype)` / `.half()` must not touch the scaling state: amaxes and scales stay fp32."""
@@ -70,6 +73,18 @@ class FP8ScalingState(nn.Module):
             return self.bwd_amax_history, self.bwd_scale, self.bwd_scale_inv
         return self.fwd_amax_history, self.fwd_scale, self.fwd_scale_inv
 
+    def slot_views(self, backward: bool, slot: int):
+        """(scale [0-d view], amax cell [1-element view of history row 0]) of one slot, as a cast
+        reads and writes them. The views are made once and reused while the buffers are the same
+        tensors: indexing a tensor costs microseconds of host time, twice per cast (bench_host.py)."""
+        bufs = self._buffers
+        hist = bufs["bwd_amax_history" if backward else "fwd_amax_history"]
+        scale = bufs["bwd_scale" if backward else "fwd_scale"]
+        hit = self._views.get((backward, slot))
+        if hit is None or hit[0] is not hist or hit[1] is not scale:
+            hit = self._views[(backward, slot)] = (hist, scale, scale[slot], hist[0, slot : slot + 1])
+        return hit[2], hit[3]
+
     def next_update_index(self, backward: bool) -> int:
         """Count one more update of this direction; returns the count before it."""
         i = int(backward)
@@ -83,6 +98,9 @@ class FP8ScalingState(nn.Module):
 
     def ensure_history_len(self, length: int) -> None:
         """Resize both histories to `length` rows, keeping the most recent rows."""
+        bufs = self._buffers  # (every forward asks: the usual answer must cost nothing)
+        if bufs["fwd_amax_history"].shape[0] == length and bufs["bwd_amax_history"].shape[0] == length:
+            return
         for name in ("fwd_amax_history", "bwd_amax_history"):
             hist = getattr(self, name)
             if hist.shape[0] == length:

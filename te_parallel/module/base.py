@@ -111,10 +111,11 @@ class FP8Module(nn.Module):
         if frame.enabled and weight.dtype == torch.float64:
             raise TypeError(f"{type(self).__name__}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64")
         recipe, group = frame.recipe, self._fp8_group(frame)
+        state = self._modules["fp8_state"]  # (not nn.Module.__getattr__: this runs on every forward)
         if recipe.delayed():
-            self.fp8_state.ensure_history_len(recipe.amax_history_len)
-            _autocast.record_forward(self.fp8_state, recipe, group)
-        cfg = GemmFP8(recipe, self.fp8_state, gemm, None, frame.enabled, group)
+            state.ensure_history_len(recipe.amax_history_len)
+            _autocast.record_forward(state, recipe, group)
+        cfg = GemmFP8(recipe, state, gemm, None, frame.enabled, group)
         if frame.enabled:
             cfg.weight = self._cached_weight(cfg, params, weight, is_first_microbatch, weight_amax_group)
         else:
@@ -125,7 +126,7 @@ class FP8Module(nn.Module):
 
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
         fmt = cfg.recipe.fp8_format
-        key = (tuple((p._version, p.data_ptr()) for p in params), fmt.fwd_dtype, cfg.recipe.delayed())
+        key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, cfg.recipe.delayed())
         hit = None if self._always_recast else self._weight_cache.get(cfg.gemm)
         if hit is not None and hit[0][1:] == key[1:]:
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):

@@ -61,14 +61,20 @@ class LinearParams:
         if not bias:
             module.register_parameter(f"{prefix}bias", None)
 
+    # (module._parameters, not getattr: nn.Module.__getattr__ costs about a microsecond per name, and
+    # these run on every forward; functional_call and friends swap the entries of _parameters too)
     def weights(self, module) -> List[torch.Tensor]:
-        return [getattr(module, n) for n in self.weight_names]
+        params = module._parameters
+        return [params[n] for n in self.weight_names]
 
     def weight(self, module) -> torch.Tensor:
         return cat_params(self.weights(module))
 
     def bias(self, module) -> Optional[torch.Tensor]:
-        return cat_params([getattr(module, n) for n in self.bias_names]) if self.bias_names else None
+        if not self.bias_names:
+            return None
+        params = module._parameters
+        return cat_params([params[n] for n in self.bias_names])
 
     def wgrad_targets(self, module) -> List[WgradTarget]:
         return [WgradTarget(p, a, b) for p, (a, b) in zip(self.weights(module), self.bounds)]
@@ -150,14 +156,23 @@ class Linear(FP8Module, TensorParallelMixin):
                          scatter_rows: Optional[int] = None) -> LinearParallel:
         """scatter_rows: the rows a row-parallel GEMM's output will have before its reduce-scatter under SP
         (default: inp's dim 0; a LayerNormMLP's fc2 gets the gathered sequence, tp × its local input)."""
-        self._check_tp_ready(inp.device)
+        if not self._tp_checked:
+            self._check_tp_ready(inp.device)
         fp8_gather = getattr(self, "fp8_all_gather", True)
-        if ub is None:
-            par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather)
-        else:
-            ub.comm.check_group(type(self).__name__, self.tp_group)
-            par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop, ub.dgrad,
-                                 ub.rs_dgrad)
+        # The same settings give the same (frozen) LinearParallel: made once, not per call.
+        key = (mode, self.tp_group, self.sequence_parallel, fp8_gather, ub)
+        cache = self.__dict__.setdefault("_par_cache", {})
+        par = cache.get(key)
+        if par is None:
+            if ub is None:
+                par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather)
+            else:
+                ub.comm.check_group(type(self).__name__, self.tp_group)
+                par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop,
+                                     ub.dgrad, ub.rs_dgrad)
+            if len(cache) > 8:  # a module whose group keeps changing: keep only the latest
+                cache.clear()
+            cache[key] = par
         if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
             check_scatter_dim(type(self).__name__, inp.shape[0] if scatter_rows is None else scatter_rows, self.tp_size)
         return par

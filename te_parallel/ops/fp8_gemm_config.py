@@ -19,7 +19,7 @@ from te_parallel.recipe import Recipe
 from te_parallel.parallel.groups import group_size
 
 
-@dataclass
+@dataclass(slots=True)
 class GemmFP8:
     recipe: Recipe
     state: FP8ScalingState
@@ -40,9 +40,6 @@ class GemmFP8:
     def _slot(self, backward: bool) -> int:
         return self.gemm if backward else FP8ScalingState.input_slot(self.gemm)
 
-    def _amax_cell(self, slot: int, backward: bool) -> torch.Tensor:
-        hist = self.state.tensors(backward)[0]
-        return hist[0, slot : slot + 1]
 
     def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool, amax_group=None,
               dbias_out=None, keep_scale: bool = False) -> Float8Tensor:
@@ -61,8 +58,10 @@ class GemmFP8:
 
     def _delayed_scale(self, slot: int, backward: bool):
         """(scale, amax cell or None) of a delayed-scaling cast into `slot`."""
-        scales = self.fwd_scale if (self.fwd_scale is not None and not backward) else self.state.tensors(backward)[1]
-        return scales[slot], self._amax_cell(slot, backward) if (self.record or backward) else None
+        scale, cell = self.state.slot_views(backward, slot)
+        if self.fwd_scale is not None and not backward:
+            scale = self.fwd_scale[slot]
+        return scale, cell if (self.record or backward) else None
 
     def cast_activation(self, name: str, h: torch.Tensor, transpose: bool) -> Float8Tensor:
         """act(h) (fc1's output h [M, cols]) cast as this GEMM's input in the activation's own pass
@@ -154,7 +153,7 @@ class GemmFP8:
 
     def _record(self, x: torch.Tensor, slot: int, backward: bool) -> None:
         if self.delayed and (self.record or backward):
-            cell = self._amax_cell(slot, backward)
+            cell = self.state.slot_views(backward, slot)[1]
             torch.maximum(cell, amax_of(x).view(1), out=cell)
 
     def on_backward(self) -> None:

@@ -34,13 +34,13 @@ def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, what: str) 
     k2, n = b.shape
     if k != k2:
         raise ValueError(f"FP8 {what} GEMM: inner dims differ, A is {tuple(a.shape)} and B is {tuple(b.shape)}")
-    bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % 16]
-    if bad:
+    if (m | k | n) & 15:  # (one test per call; the message names the dimensions that fail)
+        bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % 16]
         raise ValueError(
             f"FP8 {what} GEMM needs every dimension to be a multiple of 16, got {', '.join(bad)} "
             f"(A {tuple(a.shape)}, B {tuple(b.shape)}); pad the tokens/features or run this layer outside fp8_autocast"
         )
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+    if a.dtype is torch.float8_e5m2 and b.dtype is torch.float8_e5m2:
         raise ValueError(
             f"FP8 {what} GEMM of two E5M2 operands is not supported by cuBLASLt; use Format.HYBRID or Format.E4M3"
         )
@@ -70,7 +70,7 @@ def fp8_mm(
     accumulate: optional contiguous [M, N] of out_dtype added in the GEMM's fp32 epilogue (one rounding).
     """
     _check(a, b, out_dtype, what)
-    if not a.is_contiguous() or not b.t().is_contiguous():
+    if not a.is_contiguous() or not _column_major(b):
         raise ValueError(f"FP8 {what} GEMM needs A row-major and B column-major (cuBLASLt 'TN')")
     shape = (a.shape[0], b.shape[1])
     if out is not None and (out.shape != shape or out.dtype != out_dtype or not out.is_contiguous()):
@@ -79,7 +79,7 @@ def fp8_mm(
                                    or not accumulate.is_contiguous()):
         raise ValueError(f"FP8 {what} GEMM: accumulate is {tuple(accumulate.shape)} {accumulate.dtype}; need "
                          f"contiguous {shape} {out_dtype}")
-    if a.device.type == "cpu":
+    if a.is_cpu:
         result = _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate)
         return result if out is None else out.copy_(result)
     # cuBLASLt fuses a bias only into a bf16/fp16 output; add it afterwards for fp32.
@@ -106,6 +106,11 @@ def fp8_mm(
     if accumulate is not None:  # (no native GEMM here: the sum is rounded twice)
         result = result.add_(accumulate)
     return result
+
+
+def _column_major(b: torch.Tensor) -> bool:
+    """b.t().is_contiguous(), without making the view in the usual case."""
+    return (b.stride(0) == 1 and b.stride(1) == b.shape[0]) or b.t().is_contiguous()
 
 
 def _scalar_f32(t: torch.Tensor) -> torch.Tensor:

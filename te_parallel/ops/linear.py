@@ -153,15 +153,16 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     fp8, wgrad_targets, par, grad = plan
     out_features, in_features = weight.shape
     row = par.active and par.mode == "row"
+    gathers, overlap = par.gathers_input, par.overlap_fprop
     need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
     # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
-    regather = par.gathers_input and (par.fp8_gather or fp8 is None or not fp8.compute or par.overlap_fprop)
+    regather = gathers and (par.fp8_gather or fp8 is None or not fp8.compute or overlap)
     if x_q is not None:
-        if par.gathers_input or fp8 is None or not fp8.compute:
+        if gathers or fp8 is None or not fp8.compute:
             raise ValueError("linear_fwd: a pre-quantized input needs an FP8 GEMM whose input is not gathered")
         x_local, w_used = x_q, fp8.weight
     else:
-        if par.gathers_input and not regather:
+        if gathers and not regather:
             x2d = _gather(x2d, par.group)[0]
         if fp8 is not None and fp8.compute:
             # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward
@@ -171,11 +172,11 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
             x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
-    if par.overlap_fprop and not row:  # column: gather ring under the GEMM
+    if overlap and not row:  # column: gather ring under the GEMM
         fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
         y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias,
                          fast_accum=gemm.FPROP_FAST_ACCUM)[0]
-    elif par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
+    elif overlap:  # row: reduce-scatter by destination chunk under the GEMM
         fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc)  # noqa: E731
         y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, w=w_used)
     else:
@@ -244,8 +245,12 @@ class LinearFunction(torch.autograd.Function):
         # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
         # apply() walks every argument on each call (host time of small layers)
         out_features, in_features = weight.shape
-        y2d, ctx.s = linear_fwd(inp.reshape(-1, in_features), weight, bias, plan, inp.dtype)  # x [M or M/tp, K]
+        flat = inp.dim() == 2  # (no reshape views of a 2-D input and output: host time of small layers)
+        y2d, ctx.s = linear_fwd(inp if flat else inp.reshape(-1, in_features), weight, bias, plan,
+                                inp.dtype)  # x [M or M/tp, K]
         ctx.inp_shape = inp.shape
+        if flat:
+            return y2d
         if inp.dim() == 1:
             return y2d.reshape(out_features)
         return y2d.reshape(-1, *inp.shape[1:-1], out_features)  # dim 0: s, s·tp (gathered) or s/tp (scattered)
