@@ -1,6 +1,6 @@
 """Host overhead of one small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime).
 
-    python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--profile] [--json out.json]
+    python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--floor] [--profile] [--json out.json]
 
 Microseconds of host time per forward call, for `calls` calls issued back to back while the GPU is
 held busy by a sleep kernel, so the host never waits for the GPU and what is timed is only the work
@@ -10,6 +10,8 @@ of issuing the call (Python, autograd bookkeeping, allocator, kernel launches). 
 the once-per-region cost (the delayed-scaling update at the region's exit) is its own row. The FP8
 rows run the GEMM in FP8 (min_fp8_gemm=0); one more row has the default recipe, under whose
 min_fp8_gemm a GEMM this small runs in bf16.
+--floor times the blocks of an FP8 forward alone (the cast and GEMM calls with everything prepared,
+an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least.
 --profile prints the top functions of the FP8 training forward under cProfile.
 """
 from __future__ import annotations
@@ -64,11 +66,67 @@ def measure(cases, calls: int, rounds: int) -> dict:
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def floor(m: int, k: int, n: int, a) -> None:
+    """The building blocks of an FP8 forward, each alone, called from Python with everything prepared:
+    what any Python-orchestrated FP8 forward (one cast, one FP8 GEMM, an autograd node) pays at least."""
+    dev, bf16, e4m3 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
+    mod = _native.load()
+    x, w = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(n, k, device=dev, dtype=bf16)
+    bias = torch.randn(n, device=dev, dtype=bf16)
+    x8, w8 = x.to(e4m3), w.to(e4m3)
+    one = torch.ones((), device=dev)
+    y = torch.empty(m, n, device=dev, dtype=bf16)
+    xq, xq_t = torch.empty(m, k, device=dev, dtype=e4m3), torch.empty(k, m, device=dev, dtype=e4m3)
+    amax, scale_inv = torch.zeros(1, device=dev), torch.empty((), device=dev)
+    stream = _native.launch_on(dev)[1]
+    ws = _native.gemm_workspace(dev, stream)
+    codes = _native._DTYPES
+    leaf = x.clone().requires_grad_()
+
+    def native_gemm():
+        mod.gemm(x8.data_ptr(), codes[e4m3], w8.data_ptr(), codes[e4m3], m, n, k, one.data_ptr(), one.data_ptr(), 0,
+                 y.data_ptr(), codes[bf16], bias.data_ptr(), False, ws.data_ptr(), _native.GEMM_WORKSPACE_BYTES, stream)
+
+    def native_cast():
+        mod.cast_transpose_amax(x.data_ptr(), codes[bf16], m, k, one.data_ptr(), xq.data_ptr(), xq_t.data_ptr(),
+                                amax.data_ptr(), scale_inv.data_ptr(), 0, codes[e4m3], stream)
+
+    def function_apply():
+        with torch.enable_grad():
+            _Identity.apply(leaf)
+
+    nothing = contextlib.nullcontext
+    cases = [("torch F.linear bf16 + bias (no autograd)", lambda: torch.nn.functional.linear(x, w, bias), nothing),
+             ("torch._scaled_mm FP8 + bias, output allocated", lambda: torch._scaled_mm(
+                 x8, w8.t(), scale_a=one, scale_b=one, bias=bias, out_dtype=bf16), nothing),
+             ("te _C.cast_transpose_amax, outputs given, no checks", native_cast, nothing),
+             ("torch.empty (one FP8 [m, k])", lambda: torch.empty(m, k, device=dev, dtype=e4m3), nothing),
+             ("autograd.Function.apply (identity, one input)", function_apply, nothing)]
+    if _native.gemm_usable():
+        cases.insert(2, ("te _C.gemm FP8 + bias, output given, no checks", native_gemm, nothing))
+    with torch.no_grad():
+        got = measure(cases, a.calls, a.rounds)
+    rows = [{"block": name, "host_us": med, "min_us": low} for name, (med, low) in got.items()]
+    report(f"Host time of the blocks of an FP8 forward ({m}x{k}x{n}; us per call: median and min of {a.rounds} "
+           "rounds)", rows, ["block", "host_us", "min_us"], None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="128x1024x1024")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--floor", action="store_true", help="also time the blocks of an FP8 forward alone")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -132,6 +190,8 @@ def main() -> None:
                  "host_us": got["one"][0] - got["call"][0]})
     report(f"Host time per Linear forward ({a.shape}, bf16; us per call: median and min of {a.rounds} rounds)",
            rows, ["forward", "case", "host_us", "vs_torch", "min_us", "min_vs_torch"], a.json)
+    if a.floor:
+        floor(m, k, n, a)
     if a.profile:  # cProfile of the FP8 training forward, with torch._scaled_mm and with the native GEMM
         for native_gemm in (False, True) if _native.gemm_usable() else (False,):
             gemm.NATIVE_GEMM = native_gemm
