@@ -20,7 +20,7 @@ from typing import NoReturn, Sequence, Tuple
 import torch
 
 __all__ = ["NativeKernelsAbsentWarning", "load", "available", "fused_delayed_scaling_update", "cast_transpose_amax",
-           "transpose_fp8", "fp8_gemm", "gemm_usable", "gemm_workspace"]
+           "transpose_fp8", "fp8_gemm", "gemm_tune", "gemm_choose", "gemm_usable", "gemm_workspace"]
 
 _ALGOS = {"max": 0, "most_recent": 1}
 
@@ -284,6 +284,42 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
     """out[m, n] = a_scale_inv·b_scale_inv · a[m, k]·b[n, k]ᵀ (+ bias[n]) (+ accumulate[m, n]), in one
     cuBLASLt call (csrc/gemm). a, b: contiguous FP8 CUDA; out, accumulate: contiguous, out's dtype;
     scales: fp32 CUDA scalars. The caller (te_parallel.ops.gemm) has checked the shapes' GEMM rules."""
+    module, guard, args = _gemm_args("fp8_gemm", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum)
+    with guard:
+        module.gemm(*args)
+    return out
+
+
+def gemm_tune(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+              out: torch.Tensor, accumulate: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              fast_accum: bool = False, rounds: int = 5, reps: int = 5) -> Tuple[list, int]:
+    """Times cuBLASLt's candidate algorithms for fp8_gemm's arguments (`rounds` passes over them in turn,
+    `reps` calls back to back per candidate and pass, median per candidate) and makes the fastest the
+    one fp8_gemm runs for such calls from now on: returns ([ms per call of each candidate, -1 where one
+    failed], the index chosen; 0 is the heuristic's pick). Writes `out` (with accumulate added) many
+    times; waits for the GPU."""
+    if not (isinstance(rounds, int) and 1 <= rounds <= 16 and isinstance(reps, int) and reps >= 1):
+        raise ValueError(f"gemm_tune: rounds must be an int in [1, 16] and reps an int >= 1, got {rounds!r}, {reps!r}")
+    if accumulate is not None and accumulate.data_ptr() == out.data_ptr():
+        raise ValueError("gemm_tune: accumulate is out itself; every candidate would add into it again")
+    module, guard, args = _gemm_args("gemm_tune", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum)
+    with guard:
+        times, chosen = module.gemm_tune(*args, rounds, reps)
+    return list(times), int(chosen)
+
+
+def gemm_choose(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                out: torch.Tensor, index: int, accumulate: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, fast_accum: bool = False) -> None:
+    """Makes candidate `index` the algorithm fp8_gemm runs for such arguments (0: the heuristic's pick)."""
+    module, _, args = _gemm_args("gemm_choose", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum)
+    a_ptr, a_dt, b_ptr, b_dt, m, n, k, _, _, c_ptr, d_ptr, d_dt, bias_ptr, fast, _, ws_bytes, _ = args
+    module.gemm_choose(a_ptr, a_dt, b_ptr, b_dt, m, n, k, c_ptr, d_ptr, d_dt, bias_ptr, fast, ws_bytes, int(index))
+
+
+def _gemm_args(what: str, a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum) -> tuple:
+    """(the extension, the device guard, the argument tuple of its gemm call) after checking every tensor
+    the call will read."""
     module = load()
     m, k = a.shape
     n = b.shape[0]
@@ -296,16 +332,14 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
                                       and accumulate.is_contiguous()))
           and (bias is None or (bias.shape == (n,) and bias.dtype == out.dtype and bias.is_contiguous())))
     if not ok:
-        raise ValueError(f"fp8_gemm: got a {_describe(a)}, b {_describe(b)}, out {_describe(out)}, accumulate "
+        raise ValueError(f"{what}: got a {_describe(a)}, b {_describe(b)}, out {_describe(out)}, accumulate "
                          f"{_describe(accumulate) if accumulate is not None else None}, bias "
                          f"{_describe(bias) if bias is not None else None}; need FP8 a [m, k], b [n, k], out and "
                          f"accumulate [m, n] of one dtype, bias [n] of that dtype, all contiguous on one GPU")
     guard, stream = launch_on(a.device)
     workspace = gemm_workspace(a.device, stream)
-    with guard:
-        module.gemm(a.data_ptr(), _DTYPES[a.dtype], b.data_ptr(), _DTYPES[b.dtype], m, n, k,
+    return module, guard, (a.data_ptr(), _DTYPES[a.dtype], b.data_ptr(), _DTYPES[b.dtype], m, n, k,
                     a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
                     0 if accumulate is None else accumulate.data_ptr(), out.data_ptr(), _DTYPES[out.dtype],
                     0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(),
                     GEMM_WORKSPACE_BYTES, stream)
-    return out

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -126,10 +127,16 @@ int alignment(const void* p) {  // largest power of two <= 256 dividing the addr
 // Everything that changes the descriptors or the heuristic's answer.
 using Key = std::tuple<int, long long, long long, long long, int, int, int, bool, bool, bool, int, int, int, int, size_t>;
 
+// cuBLASLt's heuristic ranks algorithms; the plan keeps its first kMaxCandidates and runs `chosen`
+// (0, the heuristic's pick, until tep_gemm_tune has timed them).
+constexpr int kMaxCandidates = 8;
+
 struct Plan {
   tep_lt::MatmulDesc desc = nullptr;
   tep_lt::MatrixLayout a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our B), B (our A), C = D
-  tep_lt::Algo algo{};
+  tep_lt::Algo algos[kMaxCandidates]{};
+  int num_algos = 0;
+  int chosen = 0;
 };
 
 std::map<Key, Plan> g_plans;
@@ -175,17 +182,19 @@ bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cud
          lt_ok(g_api.pref_set(pref, tep_lt::kPrefMinAlignmentD, &al_d, sizeof(al_d)), "set MIN_ALIGNMENT_D");
   }
   if (ok) {
-    tep_lt::HeuristicResult result{};
+    tep_lt::HeuristicResult results[kMaxCandidates]{};
     int returned = 0;
-    ok = lt_ok(g_api.heuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &returned),
+    ok = lt_ok(g_api.heuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, kMaxCandidates, results, &returned),
                "cublasLtMatmulAlgoGetHeuristic");
-    if (ok && (returned < 1 || result.state != tep_lt::kSuccess)) {
+    for (int i = 0; ok && i < returned && i < kMaxCandidates; ++i) {
+      if (results[i].state == tep_lt::kSuccess) p.algos[p.num_algos++] = results[i].algo;
+    }
+    if (ok && p.num_algos < 1) {
       tep::set_error("tep_gemm: cuBLASLt has no algorithm for m=%lld n=%lld k=%lld (A %d, B %d, D %d, C %s, "
                      "bias %s)", m, n, k, static_cast<int>(a_t), static_cast<int>(b_t), static_cast<int>(d_t),
                      has_c ? "yes" : "no", has_bias ? "yes" : "no");
       ok = false;
     }
-    if (ok) p.algo = result.algo;
   }
   if (pref) g_api.pref_destroy(pref);
   if (!ok) {
@@ -194,6 +203,58 @@ bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cud
   }
   *plan = p;
   return true;
+}
+
+// The plan of these arguments (made on first use) and the device's handle. Holds g_mutex.
+tep_status plan_locked(const void* a, const void* b, const void* c, const void* d, long long m, long long n,
+                       long long k, cudaDataType_t a_t, cudaDataType_t b_t, cudaDataType_t d_t, int a_dtype,
+                       int b_dtype, int d_dtype, const void* bias, int fast_accum, size_t workspace_bytes,
+                       tep_lt::Handle* handle_out, Plan** plan_out) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    cudaGetLastError();
+    tep::set_error("tep_gemm: no current CUDA device");
+    return TEP_ERROR_CUDA;
+  }
+  if (!load_locked()) {
+    tep::set_error("tep_gemm: %s", g_load_error);
+    return TEP_ERROR_CUDA;
+  }
+  tep_lt::Handle& handle = g_handles[device];
+  if (!handle && !lt_ok(g_api.create(&handle), "cublasLtCreate")) return TEP_ERROR_CUDA;
+  int align_cd = alignment(d);  // C and D share one layout, so one alignment
+  if (c && alignment(c) < align_cd) align_cd = alignment(c);
+  int align[4] = {alignment(a), alignment(b), align_cd, align_cd};
+  Key key{device, m, n, k, a_dtype, b_dtype, d_dtype, c != nullptr, bias != nullptr, fast_accum != 0,
+          align[0], align[1], align[2], align[3], workspace_bytes};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan plan;
+    if (!make_plan(handle, m, n, k, a_t, b_t, d_t, c != nullptr, bias != nullptr, fast_accum != 0, align,
+                   workspace_bytes, &plan))
+      return TEP_ERROR_CUDA;
+    it = g_plans.emplace(key, plan).first;
+  }
+  *handle_out = handle;
+  *plan_out = &it->second;
+  return TEP_SUCCESS;
+}
+
+// The per-call pointers live in the descriptor; g_mutex keeps another thread from changing them
+// between these calls and the launch.
+bool set_pointers_locked(Plan& p, bool fp8, const float* scale_a, const float* scale_b, const void* bias) {
+  if (fp8 && (!lt_ok(g_api.desc_set(p.desc, tep_lt::kDescAScalePointer, &scale_b, sizeof(scale_b)), "set A_SCALE_POINTER") ||
+              !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBScalePointer, &scale_a, sizeof(scale_a)), "set B_SCALE_POINTER")))
+    return false;
+  return !bias || lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBiasPointer, &bias, sizeof(bias)), "set BIAS_POINTER");
+}
+
+bool matmul_locked(tep_lt::Handle handle, const Plan& p, int algo, const void* a, const void* b, const void* c,
+                   void* d, void* workspace, size_t workspace_bytes, void* stream) {
+  const float alpha = 1.0f, beta = c ? 1.0f : 0.0f;
+  return lt_ok(g_api.matmul(handle, p.desc, &alpha, b, p.a, a, p.b, &beta, c ? c : d, p.d, d, p.d, &p.algos[algo],
+                            workspace, workspace_bytes, stream),
+               "cublasLtMatmul");
 }
 
 }  // namespace
@@ -250,51 +311,107 @@ tep_status tep_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long
     tep::set_error("tep_gemm: a bias needs an fp16/bf16 D (cuBLASLt's FP8 kernels take no bias with fp32 D)");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
-    cudaGetLastError();
-    tep::set_error("tep_gemm: no current CUDA device");
-    return TEP_ERROR_CUDA;
-  }
   cudaDataType_t a_t, b_t, d_t;
   to_cuda_type(a_dtype, &a_t);
   to_cuda_type(b_dtype, &b_t);
   to_cuda_type(d_dtype, &d_t);
 
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (!load_locked()) {
-    tep::set_error("tep_gemm: %s", g_load_error);
-    return TEP_ERROR_CUDA;
-  }
-  tep_lt::Handle& handle = g_handles[device];
-  if (!handle && !lt_ok(g_api.create(&handle), "cublasLtCreate")) return TEP_ERROR_CUDA;
+  tep_lt::Handle handle = nullptr;
+  Plan* p = nullptr;
+  tep_status status = plan_locked(a, b, c, d, m, n, k, a_t, b_t, d_t, a_dtype, b_dtype, d_dtype, bias, fast_accum,
+                                  workspace_bytes, &handle, &p);
+  if (status != TEP_SUCCESS) return status;
+  if (!set_pointers_locked(*p, fp8, scale_a, scale_b, bias)) return TEP_ERROR_CUDA;
+  return matmul_locked(handle, *p, p->chosen, a, b, c, d, workspace, workspace_bytes, stream) ? TEP_SUCCESS
+                                                                                                : TEP_ERROR_CUDA;
+}
 
-  int align_cd = alignment(d);  // C and D share one layout, so one alignment
-  if (c && alignment(c) < align_cd) align_cd = alignment(c);
-  int align[4] = {alignment(a), alignment(b), align_cd, align_cd};
-  Key key{device, m, n, k, a_dtype, b_dtype, d_dtype, c != nullptr, bias != nullptr, fast_accum != 0,
-          align[0], align[1], align[2], align[3], workspace_bytes};
-  auto it = g_plans.find(key);
-  if (it == g_plans.end()) {
-    Plan plan;
-    if (!make_plan(handle, m, n, k, a_t, b_t, d_t, c != nullptr, bias != nullptr, fast_accum != 0, align,
-                   workspace_bytes, &plan))
-      return TEP_ERROR_CUDA;
-    it = g_plans.emplace(key, plan).first;
+tep_status tep_gemm_tune(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
+                         long long k, const float* scale_a, const float* scale_b, const void* c, void* d,
+                         int d_dtype, const void* bias, int fast_accum, void* workspace, size_t workspace_bytes,
+                         void* stream, int rounds, int reps, float* ms_out, int* num_out, int* chosen_out) {
+  // The same checks as tep_gemm, by running it once: it makes the plan, and warms the first candidate.
+  tep_status status = tep_gemm(a, a_dtype, b, b_dtype, m, n, k, scale_a, scale_b, c, d, d_dtype, bias, fast_accum,
+                               workspace, workspace_bytes, stream);
+  if (status != TEP_SUCCESS) return status;
+  if (rounds < 1 || reps < 1 || !ms_out || !num_out || !chosen_out) {
+    tep::set_error("tep_gemm_tune: rounds=%d, reps=%d (need >= 1 each) and ms_out, num_out, chosen_out must be set",
+                   rounds, reps);
+    return TEP_ERROR_INVALID_ARGUMENT;
   }
-  Plan& p = it->second;
-  // The per-call pointers live in the descriptor; the lock keeps another thread from changing them
-  // between these calls and the launch.
-  if (fp8 && (!lt_ok(g_api.desc_set(p.desc, tep_lt::kDescAScalePointer, &scale_b, sizeof(scale_b)), "set A_SCALE_POINTER") ||
-              !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBScalePointer, &scale_a, sizeof(scale_a)), "set B_SCALE_POINTER")))
-    return TEP_ERROR_CUDA;
-  if (bias && !lt_ok(g_api.desc_set(p.desc, tep_lt::kDescBiasPointer, &bias, sizeof(bias)), "set BIAS_POINTER"))
-    return TEP_ERROR_CUDA;
-  const float alpha = 1.0f, beta = c ? 1.0f : 0.0f;
-  if (!lt_ok(g_api.matmul(handle, p.desc, &alpha, b, p.a, a, p.b, &beta, c ? c : d, p.d, d, p.d, &p.algo, workspace,
-                          workspace_bytes, stream),
-             "cublasLtMatmul"))
-    return TEP_ERROR_CUDA;
+  cudaDataType_t a_t, b_t, d_t;
+  to_cuda_type(a_dtype, &a_t);
+  to_cuda_type(b_dtype, &b_t);
+  to_cuda_type(d_dtype, &d_t);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  tep_lt::Handle handle = nullptr;
+  Plan* p = nullptr;
+  status = plan_locked(a, b, c, d, m, n, k, a_t, b_t, d_t, a_dtype, b_dtype, d_dtype, bias, fast_accum,
+                       workspace_bytes, &handle, &p);
+  if (status != TEP_SUCCESS) return status;
+  const bool fp8 = a_dtype == TEP_FLOAT8_E4M3 || a_dtype == TEP_FLOAT8_E5M2;
+  if (!set_pointers_locked(*p, fp8, scale_a, scale_b, bias)) return TEP_ERROR_CUDA;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaEvent_t marks[kMaxCandidates][2];
+  for (int i = 0; i < p->num_algos; ++i) {
+    cudaEventCreate(&marks[i][0]);
+    cudaEventCreate(&marks[i][1]);
+  }
+  // Rounds over all candidates in turn (a GPU at its power cap changes clock within a second); each
+  // candidate's time is its median over the rounds. A candidate that fails to launch gets no time.
+  float times[kMaxCandidates][16];
+  const int kept = rounds < 16 ? rounds : 16;
+  bool failed[kMaxCandidates] = {};
+  for (int r = 0; r < kept; ++r) {
+    for (int i = 0; i < p->num_algos; ++i) {
+      cudaEventRecord(marks[i][0], s);
+      for (int rep = 0; rep < reps && !failed[i]; ++rep) {
+        if (!matmul_locked(handle, *p, i, a, b, c, d, workspace, workspace_bytes, stream)) failed[i] = true;
+      }
+      cudaEventRecord(marks[i][1], s);
+    }
+    for (int i = 0; i < p->num_algos; ++i) {
+      cudaEventSynchronize(marks[i][1]);
+      float ms = 0.f;
+      cudaEventElapsedTime(&ms, marks[i][0], marks[i][1]);
+      times[i][r] = ms / reps;
+    }
+  }
+  int best = 0;
+  for (int i = 0; i < p->num_algos; ++i) {
+    std::sort(times[i], times[i] + kept);
+    ms_out[i] = failed[i] ? -1.f : times[i][kept / 2];
+    if (!failed[i] && (failed[best] || ms_out[i] < ms_out[best])) best = i;
+    cudaEventDestroy(marks[i][0]);
+    cudaEventDestroy(marks[i][1]);
+  }
+  cudaGetLastError();  // (a failed candidate's launch error is reported through its -1 time)
+  p->chosen = best;
+  *num_out = p->num_algos;
+  *chosen_out = best;
+  return TEP_SUCCESS;
+}
+
+tep_status tep_gemm_choose(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
+                           long long k, const void* c, const void* d, int d_dtype, const void* bias, int fast_accum,
+                           size_t workspace_bytes, int index) {
+  cudaDataType_t a_t, b_t, d_t;
+  if (!to_cuda_type(a_dtype, &a_t) || !to_cuda_type(b_dtype, &b_t) || !to_cuda_type(d_dtype, &d_t)) {
+    tep::set_error("tep_gemm_choose: unknown dtype code (a %d, b %d, d %d)", a_dtype, b_dtype, d_dtype);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  tep_lt::Handle handle = nullptr;
+  Plan* p = nullptr;
+  tep_status status = plan_locked(a, b, c, d, m, n, k, a_t, b_t, d_t, a_dtype, b_dtype, d_dtype, bias, fast_accum,
+                                  workspace_bytes, &handle, &p);
+  if (status != TEP_SUCCESS) return status;
+  if (index < 0 || index >= p->num_algos) {
+    tep::set_error("tep_gemm_choose: index %d; this plan has %d candidates", index, p->num_algos);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  p->chosen = index;
   return TEP_SUCCESS;
 }
 

@@ -122,6 +122,41 @@ def test_bad_arguments_fail_with_one_line():
         _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
 
 
+def test_tune_times_the_candidates_and_choose_switches_them():
+    """gemm_tune times every candidate, keeps the fastest (the result stays the GEMM's, to the rounding
+    of another kernel), and gemm_choose(0) restores the heuristic's pick bit for bit."""
+    m, k, n = 512, 1024, 768
+    a, b = _q((m, k), E4, 11), _q((n, k), E5, 12)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
+    heuristic = out.clone()
+    times, chosen = _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias, rounds=3, reps=2)
+    assert 1 <= len(times) <= 8 and 0 <= chosen < len(times)
+    assert times[chosen] > 0 and all(t < 0 or times[chosen] <= t for t in times)
+    out.fill_(float("nan"))
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)  # the chosen candidate
+    exact = (a.data.double() * a.scale_inv.double()) @ (b.data.double() * b.scale_inv.double()).t() + bias.double()
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    assert rel < 4 * ULP[torch.bfloat16] + fp8_gemm_tol("cuda"), rel
+    _native.gemm_choose(a.data, a.scale_inv, b.data, b.scale_inv, out, 0, bias=bias)
+    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
+    assert torch.equal(out, heuristic)
+    with pytest.raises(RuntimeError, match=f"tep_gemm_choose: index {len(times)}; this plan has {len(times)} candidates"):
+        _native.gemm_choose(a.data, a.scale_inv, b.data, b.scale_inv, out, len(times), bias=bias)
+
+
+def test_tune_rejects_bad_arguments():
+    a, b = _q((32, 64), E4, 13), _q((48, 64), E4, 14)
+    out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rounds must be an int in \[1, 16\] and reps an int >= 1, got 0, 5"):
+        _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, rounds=0)
+    with pytest.raises(ValueError, match="accumulate is out itself"):
+        _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
+    with pytest.raises(ValueError, match=r"gemm_tune: got a .*need FP8 a \[m, k\]"):
+        _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
+
+
 def test_linear_with_native_gemm_matches_scaled_mm(monkeypatch):
     """A te.Linear FP8 step with every GEMM through the native call: the same outputs and gradients."""
     import te_parallel as te

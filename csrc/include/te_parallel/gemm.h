@@ -10,8 +10,9 @@
  *
  * cuBLASLt is not linked: it is opened at run time from the process (torch has loaded it) or by name
  * (libcublasLt.so.13, .so.12, .so; TE_PARALLEL_CUBLASLT=<path> overrides), so the library still
- * imports on machines without CUDA libraries. Descriptors and the heuristic's algorithm are cached
- * per shape / dtypes / pointer alignment, so a call after the first costs no heuristic query.
+ * imports on machines without CUDA libraries. Descriptors and the heuristic's algorithms (its first 8
+ * candidates; the first runs unless tep_gemm_tune / tep_gemm_choose picked another) are cached per
+ * shape / dtypes / epilogue / pointer alignment, so a call after the first costs no heuristic query.
  */
 #ifndef TE_PARALLEL_GEMM_H_
 #define TE_PARALLEL_GEMM_H_
@@ -40,6 +41,29 @@ TEP_API tep_status tep_gemm(const void* a, int a_dtype, const void* b, int b_dty
                                 long long k, const float* scale_a, const float* scale_b, const void* c, void* d,
                                 int d_dtype, const void* bias, int fast_accum, void* workspace,
                                 size_t workspace_bytes, void* stream);
+
+/*
+ * Times the plan's candidate algorithms (cuBLASLt's heuristic ranks up to 8) on these arguments and
+ * makes the fastest the one tep_gemm runs for them from now on. The arguments are tep_gemm's (d is
+ * written, with c added, by every candidate: pass scratch or a c that is not d); `rounds` (1..16)
+ * passes over the candidates in turn, each timing `reps` calls back to back with CUDA events (a GPU at
+ * its power cap runs a sustained GEMM slower than a lone one); a candidate's time is its median.
+ * ms_out[kMax = 8] receives the times (-1 for a candidate that failed to launch), num_out how many
+ * candidates there are, chosen_out the index now chosen (0 is the heuristic's own pick).
+ * Synchronizes with `stream`. Tuning changes which kernel computes D, so D's last bits can differ
+ * from the untuned call's (a different accumulation order or split).
+ */
+TEP_API tep_status tep_gemm_tune(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
+                                 long long k, const float* scale_a, const float* scale_b, const void* c, void* d,
+                                 int d_dtype, const void* bias, int fast_accum, void* workspace,
+                                 size_t workspace_bytes, void* stream, int rounds, int reps, float* ms_out,
+                                 int* num_out, int* chosen_out);
+
+/* Makes candidate `index` the one tep_gemm runs for these arguments (the plan is made if missing): to
+ * compare candidates, or to restore the heuristic's pick (0). No GPU work. */
+TEP_API tep_status tep_gemm_choose(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
+                                   long long k, const void* c, const void* d, int d_dtype, const void* bias,
+                                   int fast_accum, size_t workspace_bytes, int index);
 
 /* Number of cached plans (descriptors + algorithm), for tests. */
 TEP_API long long tep_gemm_cached_plans(void);
