@@ -8,7 +8,8 @@ Wᵀ + bias; dgrad: dy E5M2 · W; wgrad: dyᵀ E5M2 · x), through te_parallel's
 all of them in turn, `reps` calls back to back each (a GPU at its power cap changes clock within a
 second, and runs a sustained GEMM slower than a lone one), median per candidate. Then the heuristic's
 pick and the fastest are timed again, 20 calls back to back between two events, alternating for
-`rounds` rounds (`_native.gemm_choose` switches the plan), median of each. Rows: ms of candidate 0 (the heuristic's pick), of
+`rounds` rounds (`_native.gemm_choose` switches the plan), median of each; and the heuristic's pick
+with exact against fast accumulation (cuBLASLt's FAST_ACCUM), the same way: "exact_over_fast_accum". Rows: ms of candidate 0 (the heuristic's pick), of
 the best, its index, and the back-to-back ratio heuristic ÷ best.
 """
 from __future__ import annotations
@@ -77,15 +78,22 @@ def main() -> None:
                     _native.gemm_choose(lhs, one, rhs, one, out, index, bias=bias)
                     b2b[index].append(back_to_back_ms(call, repeats=1))
             heuristic, tuned = statistics.median(b2b[0]), statistics.median(b2b[best])
+            _native.gemm_choose(lhs, one, rhs, one, out, 0, bias=bias)  # back to the heuristic's pick
+            fast = lambda: _native.fp8_gemm(lhs, one, rhs, one, out, bias=bias, fast_accum=True)  # noqa: E731
+            accum = {False: [], True: []}
+            for _ in range(a.rounds):  # exact against fast accumulation (each with its heuristic's pick)
+                for flag, fn in ((False, call), (True, fast)):
+                    accum[flag].append(back_to_back_ms(fn, repeats=1))
+            exact_ms, fast_ms = statistics.median(accum[False]), statistics.median(accum[True])
             flops = 2 * lhs.shape[0] * lhs.shape[1] * rhs.shape[0]
             rows.append({"shape": shape, "gemm": name, "MxKxN": f"{lhs.shape[0]}x{lhs.shape[1]}x{rhs.shape[0]}",
                          "candidates": len(times), "cand0_ms": times[0], "best_ms": times[best], "best": best,
                          "heuristic_b2b_ms": heuristic, "tuned_b2b_ms": tuned, "heuristic_over_tuned": heuristic / tuned,
-                         "tuned_tflops": flops / tuned / 1e9,
+                         "tuned_tflops": flops / tuned / 1e9, "exact_over_fast_accum": exact_ms / fast_ms,
                          "all_ms": " ".join(f"{t:.3f}" for t in times)})
     report("cuBLASLt candidates of the FP8 GEMMs (ms; b2b: 20 calls back to back)", rows,
            ["shape", "gemm", "MxKxN", "candidates", "cand0_ms", "best_ms", "best", "heuristic_b2b_ms",
-            "tuned_b2b_ms", "heuristic_over_tuned", "tuned_tflops", "all_ms"], a.json)
+            "tuned_b2b_ms", "heuristic_over_tuned", "tuned_tflops", "exact_over_fast_accum", "all_ms"], a.json)
 
 
 if __name__ == "__main__":
