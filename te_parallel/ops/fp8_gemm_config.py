@@ -40,7 +40,6 @@ class GemmFP8:
     def _slot(self, backward: bool) -> int:
         return self.gemm if backward else FP8ScalingState.input_slot(self.gemm)
 
-
     def _cast(self, x: torch.Tensor, slot: int, backward: bool, transpose: bool, amax_group=None,
               dbias_out=None, keep_scale: bool = False) -> Float8Tensor:
         """amax_group: for current scaling of a tensor that will be gathered, the ranks whose amaxes
