@@ -58,8 +58,10 @@ def quantize(
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
     if not (rowwise or transpose):
         raise ValueError("quantize: rowwise=False needs transpose=True (nothing would be written)")
-    x = x.detach()
-    scale = scale.detach().to(torch.float32).reshape(())
+    if x.requires_grad:
+        x = x.detach()
+    if scale.dim() or scale.dtype is not torch.float32 or scale.requires_grad:  # (a state's slot view is not)
+        scale = scale.detach().to(torch.float32).reshape(())
     if _use_native(x):
         # written by the kernel: 1 / scale (and the scale's snapshot beside it, when asked for)
         if keep_scale:
