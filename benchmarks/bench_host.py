@@ -11,7 +11,8 @@ the once-per-region cost (the delayed-scaling update at the region's exit) is it
 rows run the GEMM in FP8 (min_fp8_gemm=0); one more row has the default recipe, under whose
 min_fp8_gemm a GEMM this small runs in bf16.
 --floor times the blocks of an FP8 forward alone (the cast and GEMM calls with everything prepared,
-an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least.
+an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least (JSON:
+<json stem>_floor.json).
 --profile prints the top functions of the FP8 training forward under cProfile.
 """
 from __future__ import annotations
@@ -118,7 +119,8 @@ def floor(m: int, k: int, n: int, a) -> None:
         got = measure(cases, a.calls, a.rounds)
     rows = [{"block": name, "host_us": med, "min_us": low} for name, (med, low) in got.items()]
     report(f"Host time of the blocks of an FP8 forward ({m}x{k}x{n}; us per call: median and min of {a.rounds} "
-           "rounds)", rows, ["block", "host_us", "min_us"], None)
+           "rounds)", rows, ["block", "host_us", "min_us"],
+           None if a.json is None else os.path.splitext(a.json)[0] + "_floor.json")
 
 
 def main() -> None:
