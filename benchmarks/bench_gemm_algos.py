@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import report  # noqa: E402
+from common import report, time_cuda_stream  # noqa: E402
 from te_parallel import _native  # noqa: E402
 
 SEED_SHAPES = ["8192x4096x16384", "8192x16384x4096", "8192x4096x12288", "8192x4096x4096"]
@@ -38,21 +38,6 @@ def operands(m: int, k: int, n: int):
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
     return {"fprop": (x, w, bias), "dgrad": (dy, w.t().contiguous(), None),
             "wgrad": (dy.t().contiguous(), x.t().contiguous(), None)}
-
-
-def back_to_back_ms(call, iters: int = 20, repeats: int = 5) -> float:
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -76,14 +61,14 @@ def main() -> None:
             for _ in range(a.rounds):  # the heuristic's pick and the fastest, back to back, interleaved
                 for index in b2b:
                     _native.gemm_choose(lhs, one, rhs, one, out, index, bias=bias)
-                    b2b[index].append(back_to_back_ms(call, repeats=1))
+                    b2b[index].append(time_cuda_stream(call, warmup=1, repeats=1))
             heuristic, tuned = statistics.median(b2b[0]), statistics.median(b2b[best])
             _native.gemm_choose(lhs, one, rhs, one, out, 0, bias=bias)  # back to the heuristic's pick
             fast = lambda: _native.fp8_gemm(lhs, one, rhs, one, out, bias=bias, fast_accum=True)  # noqa: E731
             accum = {False: [], True: []}
             for _ in range(a.rounds):  # exact against fast accumulation (each with its heuristic's pick)
                 for flag, fn in ((False, call), (True, fast)):
-                    accum[flag].append(back_to_back_ms(fn, repeats=1))
+                    accum[flag].append(time_cuda_stream(fn, warmup=1, repeats=1))
             exact_ms, fast_ms = statistics.median(accum[False]), statistics.median(accum[True])
             flops = 2 * lhs.shape[0] * lhs.shape[1] * rhs.shape[0]
             rows.append({"shape": shape, "gemm": name, "MxKxN": f"{lhs.shape[0]}x{lhs.shape[1]}x{rhs.shape[0]}",

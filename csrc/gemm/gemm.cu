@@ -207,9 +207,13 @@ bool make_plan(tep_lt::Handle handle, long long m, long long n, long long k, cud
 
 // The plan of these arguments (made on first use) and the device's handle. Holds g_mutex.
 tep_status plan_locked(const void* a, const void* b, const void* c, const void* d, long long m, long long n,
-                       long long k, cudaDataType_t a_t, cudaDataType_t b_t, cudaDataType_t d_t, int a_dtype,
-                       int b_dtype, int d_dtype, const void* bias, int fast_accum, size_t workspace_bytes,
-                       tep_lt::Handle* handle_out, Plan** plan_out) {
+                       long long k, int a_dtype, int b_dtype, int d_dtype, const void* bias, int fast_accum,
+                       size_t workspace_bytes, tep_lt::Handle* handle_out, Plan** plan_out) {
+  cudaDataType_t a_t, b_t, d_t;
+  if (!to_cuda_type(a_dtype, &a_t) || !to_cuda_type(b_dtype, &b_t) || !to_cuda_type(d_dtype, &d_t)) {
+    tep::set_error("tep_gemm: unknown dtype code (a %d, b %d, d %d)", a_dtype, b_dtype, d_dtype);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
     cudaGetLastError();
@@ -311,16 +315,11 @@ tep_status tep_gemm(const void* a, int a_dtype, const void* b, int b_dtype, long
     tep::set_error("tep_gemm: a bias needs an fp16/bf16 D (cuBLASLt's FP8 kernels take no bias with fp32 D)");
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  cudaDataType_t a_t, b_t, d_t;
-  to_cuda_type(a_dtype, &a_t);
-  to_cuda_type(b_dtype, &b_t);
-  to_cuda_type(d_dtype, &d_t);
-
   std::lock_guard<std::mutex> lock(g_mutex);
   tep_lt::Handle handle = nullptr;
   Plan* p = nullptr;
-  tep_status status = plan_locked(a, b, c, d, m, n, k, a_t, b_t, d_t, a_dtype, b_dtype, d_dtype, bias, fast_accum,
-                                  workspace_bytes, &handle, &p);
+  tep_status status = plan_locked(a, b, c, d, m, n, k, a_dtype, b_dtype, d_dtype, bias, fast_accum, workspace_bytes,
+                                  &handle, &p);
   if (status != TEP_SUCCESS) return status;
   if (!set_pointers_locked(*p, fp8, scale_a, scale_b, bias)) return TEP_ERROR_CUDA;
   return matmul_locked(handle, *p, p->chosen, a, b, c, d, workspace, workspace_bytes, stream) ? TEP_SUCCESS
@@ -340,15 +339,10 @@ tep_status tep_gemm_tune(const void* a, int a_dtype, const void* b, int b_dtype,
                    rounds, reps);
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  cudaDataType_t a_t, b_t, d_t;
-  to_cuda_type(a_dtype, &a_t);
-  to_cuda_type(b_dtype, &b_t);
-  to_cuda_type(d_dtype, &d_t);
   std::lock_guard<std::mutex> lock(g_mutex);
   tep_lt::Handle handle = nullptr;
   Plan* p = nullptr;
-  status = plan_locked(a, b, c, d, m, n, k, a_t, b_t, d_t, a_dtype, b_dtype, d_dtype, bias, fast_accum,
-                       workspace_bytes, &handle, &p);
+  status = plan_locked(a, b, c, d, m, n, k, a_dtype, b_dtype, d_dtype, bias, fast_accum, workspace_bytes, &handle, &p);
   if (status != TEP_SUCCESS) return status;
   const bool fp8 = a_dtype == TEP_FLOAT8_E4M3 || a_dtype == TEP_FLOAT8_E5M2;
   if (!set_pointers_locked(*p, fp8, scale_a, scale_b, bias)) return TEP_ERROR_CUDA;
@@ -396,16 +390,11 @@ tep_status tep_gemm_tune(const void* a, int a_dtype, const void* b, int b_dtype,
 tep_status tep_gemm_choose(const void* a, int a_dtype, const void* b, int b_dtype, long long m, long long n,
                            long long k, const void* c, const void* d, int d_dtype, const void* bias, int fast_accum,
                            size_t workspace_bytes, int index) {
-  cudaDataType_t a_t, b_t, d_t;
-  if (!to_cuda_type(a_dtype, &a_t) || !to_cuda_type(b_dtype, &b_t) || !to_cuda_type(d_dtype, &d_t)) {
-    tep::set_error("tep_gemm_choose: unknown dtype code (a %d, b %d, d %d)", a_dtype, b_dtype, d_dtype);
-    return TEP_ERROR_INVALID_ARGUMENT;
-  }
   std::lock_guard<std::mutex> lock(g_mutex);
   tep_lt::Handle handle = nullptr;
   Plan* p = nullptr;
-  tep_status status = plan_locked(a, b, c, d, m, n, k, a_t, b_t, d_t, a_dtype, b_dtype, d_dtype, bias, fast_accum,
-                                  workspace_bytes, &handle, &p);
+  tep_status status = plan_locked(a, b, c, d, m, n, k, a_dtype, b_dtype, d_dtype, bias, fast_accum, workspace_bytes,
+                                  &handle, &p);
   if (status != TEP_SUCCESS) return status;
   if (index < 0 || index >= p->num_algos) {
     tep::set_error("tep_gemm_choose: index %d; this plan has %d candidates", index, p->num_algos);
