@@ -295,6 +295,34 @@ class _NoTransfer:
         collectives._all_gather, collectives._reduce_scatter = self.saved
 
 
+class _LocalTransfer(_NoTransfer):
+    """The NCCL path's sequence all-gathers and reduce-scatters replaced by copies on this GPU that write
+    every output byte with data of the same kind: each gathered slot gets this rank's own shard, and a
+    reduce-scatter's output gets this rank's rows of its own partial (no sum). The GEMMs then read
+    real numbers, not the never-written memory of `_NoTransfer`: under the power cap a GEMM on zeros
+    draws less power and clocks higher, so that floor was too low. The copies (device-to-device memcpy,
+    a few tens of µs each) stay in the step's time; `profile_layer_kernels.py` reports them apart."""
+
+    def __enter__(self):
+        from te_parallel.parallel import collectives
+
+        self.saved = collectives._all_gather, collectives._reduce_scatter
+
+        def all_gather(out, t, group=None, async_op=False):
+            flat, src = out.view(-1), t.reshape(-1)
+            for chunk in flat.split(src.numel()):
+                chunk.copy_(src)
+            return self._Done() if async_op else None
+
+        def reduce_scatter(out, t, group=None, async_op=False):
+            rank = dist.get_rank(group)
+            out.view(-1).copy_(t.reshape(-1)[rank * out.numel():(rank + 1) * out.numel()])
+            return self._Done() if async_op else None
+
+        collectives._all_gather, collectives._reduce_scatter = all_gather, reduce_scatter
+        return self
+
+
 @contextlib.contextmanager
 def _set(module, **values):
     """Module constants set for the duration (a schedule variant in the same run)."""
@@ -316,7 +344,8 @@ def layer_rows(ub, group, rank, tp, batch):
               lambda: _set(ov, RS_PIECES_SHORT_K=ov.RS_PIECES)),
              ("overlap, column dgrad + reduce-scatter pipelined (ub_overlap_rs_dgrad)",
               dict(ovl, ub_overlap_rs_dgrad=True), contextlib.nullcontext),
-             ("no communication at all (floor)", {}, _NoTransfer)]
+             ("no communication, outputs left unwritten (_NoTransfer)", {}, _NoTransfer),
+             ("no communication, outputs written locally (_LocalTransfer: the floor)", {}, _LocalTransfer)]
     for name, extra, ctx in cases:
         _, step = seed_layer_step(group, tp, batch, extra)
         with ctx():
@@ -335,6 +364,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=6144, help="weight shard rows (column) / inner shard (row)")
     ap.add_argument("--layer", action="store_true")
     ap.add_argument("--layer-batch", type=int, nargs="+", default=[4], help="micro-batches of the layer rows")
+    ap.add_argument("--skip-ops", action="store_true", help="only the layer rows (with --layer) and NCCL's bandwidth")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", action="store_true",
                     help="also print each op's GPU activities (torch.profiler) for one call of the default schedule")
@@ -343,7 +373,7 @@ def main() -> None:
     tokens = max(tp * args.m, 2048 * max(args.layer_batch))
     ub = te.initialize_ub([tokens, max(args.k, args.n)], group, use_fp8=True, dtype=torch.bfloat16)
     rows, timelines, traces = [], [], []
-    for kind, make in (("AG+GEMM", ag_cases), ("GEMM+RS", rs_cases)):
+    for kind, make in () if args.skip_ops else (("AG+GEMM", ag_cases), ("GEMM+RS", rs_cases)):
         for use_fp8 in (False, True):
             if kind == "AG+GEMM":
                 fns = make(ub, group, rank, tp, args.m, args.k, args.n, use_fp8)
@@ -384,8 +414,9 @@ def main() -> None:
     if rank == 0:
         title = (f"TP={tp} comm-GEMM overlap ({ub.transport_name}), per-rank {args.m}x{args.k}, shard "
                  f"{args.n}x{args.k} (max over ranks of median ms; x = / GEMM alone)")
-        report(title, rows, ["case", "gemm_alone_ms", "sequential_ms", "overlap_ms", "sequential_x", "overlap_x",
-                             "seq_synced_ms", "overlap_synced_ms", "seq_host_us", "overlap_host_us"], args.json)
+        if rows:
+            report(title, rows, ["case", "gemm_alone_ms", "sequential_ms", "overlap_ms", "sequential_x", "overlap_x",
+                                 "seq_synced_ms", "overlap_synced_ms", "seq_host_us", "overlap_host_us"], args.json)
         for label, spans in timelines:
             print(f"\ntimeline {label} (rank 0, ms from op start; GEMM+RS: its schedule issued from Python, so "
                   f"that events can be recorded between the steps)")

@@ -19,7 +19,7 @@ from te_parallel.module.base import (
     split_sizes,
 )
 from te_parallel.module.parallel_mixin import TensorParallelMixin
-from te_parallel.ops.linear import LinearFunction, LinearParallel, WgradTarget
+from te_parallel.ops.linear import SINGLE, LinearFunction, LinearParallel, WgradTarget
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
 from te_parallel.parallel.overlap import CommOverlap
@@ -142,10 +142,21 @@ class Linear(FP8Module, TensorParallelMixin):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("Linear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
-        par = self._linear_parallel(self.parallel_mode, inp, self.ub)
         inp = inp if inp.dtype == dtype else inp.to(dtype)
+        frame = self._fp8_frame()
+        if self.tp_size == 1 and self.ub is None and not self.fuse_wgrad_accumulation and (
+                frame is None or _below_fp8_size(frame, inp.is_cuda, inp.numel() // self.in_features,
+                                                 self.in_features, self.out_features, SINGLE)):
+            # the short way for a plain one-rank GEMM in high precision (the same as linear_forward's)
+            if not self._tp_checked:
+                self._check_tp_ready(inp.device)
+            params = self._params
+            bias = params.bias(self)
+            out = torch_linear(inp, params.weight(self), bias, not self.return_bias)
+            return (out, None if bias is None else bias.to(dtype)) if self.return_bias else out
+        par = self._linear_parallel(self.parallel_mode, inp, self.ub)
         out, bias = linear_forward(self, self._params, 0, inp, is_first_microbatch,
-                                   self._fp8_frame(), add_bias=not self.return_bias, par=par)
+                                   frame, add_bias=not self.return_bias, par=par)
         if not self.return_bias:
             return out
         if par.gathers_grad:  # the caller adds it to its M/tp tokens: sum the grad over the ranks
@@ -243,8 +254,21 @@ def linear_forward(module: FP8Module, params: LinearParams, gemm: int, inp: torc
                    is_first_microbatch, frame, add_bias: bool = True, par: LinearParallel = LinearParallel()):
     """Run GEMM number `gemm` of `module` on `inp`; returns (out, bias-or-None)."""
     weight, bias, plan = gemm_plan(module, params, gemm, inp, is_first_microbatch, frame, par)
+    if plan[0] is None and plan[1] is None and not par.active:
+        return torch_linear(inp, weight, bias, add_bias), bias
     out = LinearFunction.apply(inp, weight, bias if add_bias else None, plan)
     return out, bias
+
+
+def torch_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_bias: bool = True):
+    """inp·Wᵀ (+ b) by torch's own linear, in inp's dtype: for a GEMM where te_parallel has nothing to
+    do (one rank, no FP8 — none on, or a GEMM below Recipe.min_fp8_gemm — no fused wgrad
+    accumulation). torch's linear and its C++ backward cost about half the host time of
+    LinearFunction and its Python backward, and a small layer's step is mostly host time."""
+    dtype = inp.dtype
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    b = None if bias is None or not add_bias else (bias if bias.dtype == dtype else bias.to(dtype))
+    return torch.nn.functional.linear(inp, w, b)
 
 
 def gemm_plan(module: FP8Module, params: LinearParams, gemm: int, inp: torch.Tensor, is_first_microbatch, frame,
@@ -255,18 +279,18 @@ def gemm_plan(module: FP8Module, params: LinearParams, gemm: int, inp: torch.Ten
     weight, bias = cat_params(weights), params.bias(module)
     if in_tokens is None:
         in_tokens = inp.numel() // max(inp.shape[-1], 1)
-    if frame is not None and _below_fp8_size(frame, inp.is_cuda, in_tokens, weight, par):
+    if frame is not None and _below_fp8_size(frame, inp.is_cuda, in_tokens, weight.shape[1], weight.shape[0], par):
         frame = None  # a small GEMM: high precision is faster (Recipe.min_fp8_gemm)
     fp8 = module._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
     targets = params.wgrad_targets(module) if module.fuse_wgrad_accumulation else None
     return weight, bias, (fp8, targets, par, torch.is_grad_enabled())
 
 
-def _below_fp8_size(frame, is_cuda: bool, tokens: int, weight: torch.Tensor, par: LinearParallel) -> bool:
+def _below_fp8_size(frame, is_cuda: bool, tokens: int, k: int, n: int, par: LinearParallel) -> bool:
     """True when this GEMM (M·K·N on this rank, M gathered under SP) is below the recipe's FP8 size on
     CUDA. Never with comm-GEMM overlap (its buffers were sized for the FP8 bytes) or on the CPU."""
     if not (frame.enabled and is_cuda) or par.ub is not None:
         return False
     if par.gathers_input:
         tokens *= group_size(par.group)
-    return tokens * weight.shape[0] * weight.shape[1] < frame.recipe.min_gemm()
+    return tokens * k * n < frame.recipe.min_gemm()
