@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report  # noqa: E402
+from common import other_gemm_label, report, with_other_gemm  # noqa: E402
 from te_parallel import _native, recipe  # noqa: E402
 from te_parallel.ops import gemm  # noqa: E402
 
@@ -150,15 +150,6 @@ def main() -> None:
     def te_call():
         lin(x, is_first_microbatch=False)
 
-    def native(call):  # the same, with te_parallel's cuBLASLt call for the GEMM
-        def run():
-            gemm.NATIVE_GEMM = True
-            try:
-                call()
-            finally:
-                gemm.NATIVE_GEMM = False
-        return run
-
     nothing = contextlib.nullcontext
     rows = []
     for grad in (True, False):
@@ -169,8 +160,9 @@ def main() -> None:
                  ("te FP8 current", te_call, fp8_region(current)),
                  ("te FP8 delayed, default recipe (bf16 GEMM below min_fp8_gemm)", te_call, fp8_region(default))]
         if _native.gemm_usable():
-            cases += [("te FP8 delayed, native GEMM", native(te_call), fp8_region(delayed)),
-                      ("te FP8 current, native GEMM", native(te_call), fp8_region(current))]
+            other = other_gemm_label()
+            cases += [(f"te FP8 delayed, {other}", with_other_gemm(te_call), fp8_region(delayed)),
+                      (f"te FP8 current, {other}", with_other_gemm(te_call), fp8_region(current))]
         with mode():
             got = measure(cases, a.calls, a.rounds)
         base = got["torch bf16 nn.Linear"]
@@ -195,6 +187,7 @@ def main() -> None:
     if a.floor:
         floor(m, k, n, a)
     if a.profile:  # cProfile of the FP8 training forward, with torch._scaled_mm and with the native GEMM
+        default = gemm.NATIVE_GEMM
         for native_gemm in (False, True) if _native.gemm_usable() else (False,):
             gemm.NATIVE_GEMM = native_gemm
             prof = cProfile.Profile()
@@ -203,7 +196,7 @@ def main() -> None:
                 for _ in range(2000):
                     te_call()
                 prof.disable()
-            gemm.NATIVE_GEMM = False
+            gemm.NATIVE_GEMM = default
             torch.cuda.synchronize()
             print(f"\ncProfile of 2000 FP8 delayed training forwards, native GEMM: {native_gemm}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)

@@ -9,8 +9,8 @@ Rows per shape (tokens × in → out), bf16 activations and weights:
   te fp8 delayed     te.Linear in fp8_autocast(DelayedScaling), weight recast every step (GEMMs below
                      Recipe.min_fp8_gemm run in bf16: the default small-GEMM fallback)
   te fp8 current     te.Linear in fp8_autocast(Float8CurrentScaling), weight recast every step
-  te fp8 delayed, native GEMM   the delayed row with every FP8 GEMM through te_parallel's own
-                     cuBLASLt call (csrc/gemm) instead of torch._scaled_mm
+  te fp8 delayed, torch._scaled_mm GEMM   the delayed row with every FP8 GEMM through torch._scaled_mm
+                     instead of te_parallel's own cuBLASLt call (csrc/gemm; the default, ops.gemm.NATIVE_GEMM)
 "ms" is per step with steps issued back to back (as a training loop runs: common.time_cuda_stream),
 "ms_synced" per step started on an idle GPU (host latency to the first kernel included).
 "Weight recast every step" models training (the optimizer changes the weight each step), so the
@@ -26,9 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda, time_cuda_stream, training_step  # noqa: E402
+from common import other_gemm_label, report, time_cuda, time_cuda_stream, training_step, with_other_gemm  # noqa: E402
 from te_parallel import _native, recipe  # noqa: E402
-from te_parallel.ops import gemm  # noqa: E402
 
 
 def bench_shape(m: int, k: int, n: int):
@@ -42,29 +41,18 @@ def bench_shape(m: int, k: int, n: int):
     cases = [("torch bf16", ref, None), ("te bf16", lin, None),
              ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling())]
     if _native.gemm_usable():
-        cases.append(("te fp8 delayed, native GEMM", lin, recipe.DelayedScaling()))
+        cases.append((f"te fp8 delayed, {other_gemm_label()}", lin, recipe.DelayedScaling()))
     base = None
     base_synced = None
     for name, mod, rec in cases:
         step = training_step(mod, x, dy, rec)
-        if "native GEMM" in name:
-            step = _with_native_gemm(step)
+        if other_gemm_label() in name:
+            step = with_other_gemm(step)
         ms, synced = time_cuda_stream(step), time_cuda(step)
         base, base_synced = base or ms, base_synced or synced
         rows.append({"shape": f"{m}x{k}->{n}", "case": name, "ms": ms, "tflops": flops / ms / 1e9,
                      "speedup_vs_torch_bf16": base / ms, "ms_synced": synced, "synced_speedup": base_synced / synced})
     return rows
-
-
-def _with_native_gemm(step):
-    """`step` with every FP8 GEMM through te_parallel's cuBLASLt call (gemm.NATIVE_GEMM)."""
-    def run():
-        gemm.NATIVE_GEMM = True
-        try:
-            step()
-        finally:
-            gemm.NATIVE_GEMM = False
-    return run
 
 
 SWEEP = ["1024x1024x1024", "2048x768x3072", "2048x2048x2048", "4096x2048x2048", "8192x2048x2048",

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda, time_cuda_stream, training_step  # noqa: E402
+from common import other_gemm_label, report, time_cuda, time_cuda_stream, training_step  # noqa: E402
 from te_parallel import _native, recipe  # noqa: E402
 
 
@@ -73,13 +73,14 @@ def switched_off(what: str):
     """One optimisation changed for an ablation row: "fused activation" off (the MLP activation in high
     precision, each GEMM casting its input; ops/mlp.fp8_activation), "fprop accumulation" flipped
     (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM), "mlp chunks" off (the MLP backward in one piece), or
-    "torch GEMM" off (every FP8 GEMM through te_parallel's cuBLASLt call: ops/gemm.NATIVE_GEMM)."""
+    "default GEMM" off (every FP8 GEMM through the other of te_parallel's cuBLASLt call and
+    torch._scaled_mm: ops/gemm.NATIVE_GEMM flipped)."""
     from te_parallel.ops import gemm, mlp
 
     owner, name, value = {"fused activation": (mlp, "fp8_activation", lambda *args: False),
                           "fprop accumulation": (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM),
                           "mlp chunks": (mlp, "BWD_CHUNK_BYTES", 1 << 62),
-                          "torch GEMM": (gemm, "NATIVE_GEMM", True)}[what]
+                          "default GEMM": (gemm, "NATIVE_GEMM", not gemm.NATIVE_GEMM)}[what]
     saved = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -105,10 +106,11 @@ def main() -> None:
     measure("te bf16", training_step(layer, x, dy), rows, base)
     measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
     measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
-    if _native.gemm_usable():  # every FP8 GEMM through te_parallel's cuBLASLt call (ops/gemm.NATIVE_GEMM)
-        with switched_off("torch GEMM"):
-            measure("te FP8 delayed, native GEMM", training_step(layer, x, dy, fp8), rows, base)
-        measure("te FP8 delayed (again, after the native GEMM row)", training_step(layer, x, dy, fp8), rows, base)
+    if _native.gemm_usable():  # every FP8 GEMM through the non-default GEMM (ops/gemm.NATIVE_GEMM)
+        other = other_gemm_label()
+        with switched_off("default GEMM"):
+            measure(f"te FP8 delayed, {other}", training_step(layer, x, dy, fp8), rows, base)
+        measure(f"te FP8 delayed (again, after the {other} row)", training_step(layer, x, dy, fp8), rows, base)
     labels = {"fused activation": "fused activation off", "fprop accumulation": "fprop fast accumulation flipped",
               "mlp chunks": "MLP backward in one piece"}
     for what, label in labels.items() if a.ablate else ():

@@ -127,3 +127,25 @@ def report(title: str, rows: List[Dict], columns: List[str], json_path: str | No
 
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def other_gemm_label() -> str:
+    """The FP8 GEMM that the library does not use by default (ops.gemm.NATIVE_GEMM): a benchmark's
+    comparison row."""
+    from te_parallel.ops import gemm
+
+    return "torch._scaled_mm GEMM" if gemm.NATIVE_GEMM else "native GEMM"
+
+
+def with_other_gemm(call: Callable[[], None]) -> Callable[[], None]:
+    """`call` with every FP8 GEMM through the other GEMM (other_gemm_label) than the default."""
+    from te_parallel.ops import gemm
+
+    def run():
+        saved = gemm.NATIVE_GEMM
+        gemm.NATIVE_GEMM = not saved
+        try:
+            call()
+        finally:
+            gemm.NATIVE_GEMM = saved
+    return run

@@ -196,6 +196,36 @@ def test_parameters_split(device):
                 assert rel_err(m(x).cpu() - m.query_bias.new_zeros(1).cpu(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("bias, return_bias, split, shape", [
+    (True, False, None, (5, 3, 24)), (False, False, None, (7, 24)), (True, True, None, (2, 4, 24)),
+    (True, False, ("a", "b"), (6, 24)), (True, False, None, (24,))])
+def test_plain_linear_is_torch_linear(bias, return_bias, split, shape, device):
+    """A one-rank Linear with no FP8 runs torch's own linear (the host-time short path): its output and
+    every gradient are torch's bit for bit, and the graph holds no te_parallel Function."""
+    m = te.Linear(24, 20, bias=bias, return_bias=return_bias, parameters_split=split, device=device)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    dy = torch.randn(*shape[:-1], 20, device=device)
+    out = m(x)
+    out, b = out if return_bias else (out, None)
+    assert "LinearFunction" not in type(out.grad_fn).__name__
+    out.backward(dy)
+    params = list(m.parameters())
+    w = torch.cat([p for n, p in m.named_parameters() if n.endswith("weight")]).detach().requires_grad_(True)
+    bias_ref = torch.cat([p for n, p in m.named_parameters() if n.endswith("bias")]).detach().requires_grad_(True) \
+        if bias else None
+    xr = x.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.linear(xr, w, None if return_bias else bias_ref)
+    ref.backward(dy)
+    assert torch.equal(out, ref) and torch.equal(x.grad, xr.grad)
+    got_w = torch.cat([p.grad for n, p in m.named_parameters() if n.endswith("weight")])
+    assert torch.equal(got_w, w.grad)
+    if bias and not return_bias:
+        assert torch.equal(torch.cat([p.grad for n, p in m.named_parameters() if n.endswith("bias")]), bias_ref.grad)
+    if return_bias:
+        assert torch.equal(b, m.bias)
+    assert all(p.grad is not None for p in params if not (return_bias and p is m.bias))
+
+
 @pytest.mark.parametrize("recipe_name", [None, "current-hybrid"])
 def test_fuse_wgrad_accumulation(recipe_name, device):
     recipe = RECIPES.get(recipe_name)

@@ -3,7 +3,7 @@
 Two callers of cuBLASLt: `torch._scaled_mm`, and te_parallel's own call (csrc/gemm, `_native.fp8_gemm`),
 which also adds a C matrix in the epilogue (`accumulate=`: D = A·B + C, rounded once) and caches its
 plans. GEMMs with `accumulate` always take the native call where it is usable (else _scaled_mm and an
-add); the others take it when NATIVE_GEMM is True (environment TE_PARALLEL_NATIVE_GEMM=1/0).
+add); the others take it when NATIVE_GEMM is True (the default; environment TE_PARALLEL_NATIVE_GEMM=0 turns it off).
 
 For y = x·Wᵀ with x [M, K] (tokens × in), W [N, K] (out × in), dy [M, N]:
 
@@ -137,9 +137,11 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate=None
 # here keeps the more exact accumulation. True switches the forward GEMMs to TE's choice.
 FPROP_FAST_ACCUM = False
 
-# Every FP8 GEMM through te_parallel's cuBLASLt call instead of torch._scaled_mm (docs/benchmarks.md
-# has the comparison). GEMMs that accumulate use it regardless.
-NATIVE_GEMM = os.environ.get("TE_PARALLEL_NATIVE_GEMM", "0").strip().lower() in ("1", "true", "yes", "on")
+# Every FP8 GEMM through te_parallel's cuBLASLt call (where cuBLASLt opens) instead of
+# torch._scaled_mm. The default since the tenth session: in three runs on H200s (docs/benchmarks.md) it
+# was as fast or faster at every Linear shape (4% at 8192x4096->16384) and the same in the seed layer.
+# TE_PARALLEL_NATIVE_GEMM=0 picks torch._scaled_mm. GEMMs that accumulate use it regardless.
+NATIVE_GEMM = os.environ.get("TE_PARALLEL_NATIVE_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
