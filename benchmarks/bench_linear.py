@@ -11,7 +11,8 @@ Rows per shape (tokens × in → out), bf16 activations and weights:
   te fp8 current     te.Linear in fp8_autocast(Float8CurrentScaling), weight recast every step
   te fp8 delayed, torch._scaled_mm GEMM   the delayed row with every FP8 GEMM through torch._scaled_mm
                      instead of te_parallel's own cuBLASLt call (csrc/gemm; the default, ops.gemm.NATIVE_GEMM)
-"ms" is per step with steps issued back to back (as a training loop runs: common.time_cuda_stream),
+"ms" is per step with steps issued back to back (as a training loop runs), the median of 7 rounds that
+each time every row (common.time_interleaved: no row gains from its place in the sequence),
 "ms_synced" per step started on an idle GPU (host latency to the first kernel included).
 "Weight recast every step" models training (the optimizer changes the weight each step), so the
 weight cast is inside the timing; the speedup column is torch bf16 time / row time.
@@ -26,8 +27,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import other_gemm_label, report, time_cuda, time_cuda_stream, training_step, with_other_gemm  # noqa: E402
+from common import (other_gemm_label, report, time_cuda, time_cuda_stream, time_interleaved, training_step,  # noqa: E402
+                    with_other_gemm)
 from te_parallel import _native, recipe  # noqa: E402
+
+
+SETTLE = None  # untimed steps before each timed sample (common.time_interleaved; --settle)
 
 
 def bench_shape(m: int, k: int, n: int):
@@ -42,16 +47,18 @@ def bench_shape(m: int, k: int, n: int):
              ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling())]
     if _native.gemm_usable():
         cases.append((f"te fp8 delayed, {other_gemm_label()}", lin, recipe.DelayedScaling()))
-    base = None
-    base_synced = None
+    steps = {}
     for name, mod, rec in cases:
         step = training_step(mod, x, dy, rec)
-        if other_gemm_label() in name:
-            step = with_other_gemm(step)
-        ms, synced = time_cuda_stream(step), time_cuda(step)
-        base, base_synced = base or ms, base_synced or synced
+        steps[name] = with_other_gemm(step) if other_gemm_label() in name else step
+    back_to_back = time_interleaved(steps, settle=SETTLE)
+    synced = {name: time_cuda(step) for name, step in steps.items()}
+    base, base_synced = back_to_back["torch bf16"], synced["torch bf16"]
+    for name in steps:
+        ms = back_to_back[name]
         rows.append({"shape": f"{m}x{k}->{n}", "case": name, "ms": ms, "tflops": flops / ms / 1e9,
-                     "speedup_vs_torch_bf16": base / ms, "ms_synced": synced, "synced_speedup": base_synced / synced})
+                     "speedup_vs_torch_bf16": base / ms, "ms_synced": synced[name],
+                     "synced_speedup": base_synced / synced[name]})
     return rows
 
 
@@ -85,8 +92,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=["8192x4096x16384"])
     ap.add_argument("--sweep", action="store_true", help="FP8 vs bf16 over GEMM sizes (the small-GEMM threshold)")
+    ap.add_argument("--settle", type=int, default=None,
+                    help="untimed steps before each timed sample (default: as many as are timed)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global SETTLE
+    SETTLE = args.settle
     if not torch.cuda.is_available():
         sys.exit("bench_linear needs a CUDA GPU")
     if args.sweep:

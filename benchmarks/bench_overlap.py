@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import init_torchrun_nccl, max_over_ranks, report, time_cuda  # noqa: E402
+from common import init_torchrun_nccl, max_over_ranks, report, time_cuda, time_interleaved  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 from te_parallel.fp8.tensor import Float8Tensor  # noqa: E402
 from te_parallel.ops import linear_overlap as ov  # noqa: E402
@@ -337,7 +337,8 @@ def _set(module, **values):
 
 
 def layer_rows(ub, group, rank, tp, batch):
-    rows = []
+    """The layer's cases timed together: every case in each of 5 rounds (common.time_interleaved, so no
+    case gains from its place in the run), max over ranks of each case's median."""
     ovl = dict(ub_tp_comm_overlap=True, ub_comm=ub)
     cases = [("no overlap (NCCL)", {}, contextlib.nullcontext), ("overlap", ovl, contextlib.nullcontext),
              (f"overlap, short-K reduce-scatters in {ov.RS_PIECES} pieces (not {ov.RS_PIECES_SHORT_K})", ovl,
@@ -346,15 +347,22 @@ def layer_rows(ub, group, rank, tp, batch):
               dict(ovl, ub_overlap_rs_dgrad=True), contextlib.nullcontext),
              ("no communication, outputs left unwritten (_NoTransfer)", {}, _NoTransfer),
              ("no communication, outputs written locally (_LocalTransfer: the floor)", {}, _LocalTransfer)]
-    for name, extra, ctx in cases:
-        _, step = seed_layer_step(group, tp, batch, extra)
-        with ctx():
-            ms = _timed(step, iters=10)
-            rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
-                         "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3,
-                         "speedup": rows[0]["ms"] / ms if rows else None})
-    return rows
 
+    def under(ctx, step):
+        def run():
+            with ctx():
+                step()
+        return run
+    steps = {name: under(ctx, seed_layer_step(group, tp, batch, extra)[1]) for name, extra, ctx in cases}
+    dist.barrier()
+    times = time_interleaved(steps, warmup=3, iters=10, rounds=5)
+    rows = []
+    for name, step in steps.items():
+        ms = max_over_ranks(times[name])
+        rows.append({"case": f"TransformerLayer TP={tp} SP FP8 fwd+bwd, b={batch}, {name}", "ms": ms,
+                     "synced_ms": _synced(step), "host_ms": _host_us(step, iters=5) / 1e3,
+                     "speedup": rows[0]["ms"] / ms if rows else None})
+    return rows
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
     python benchmarks/bench_transformer.py [--hidden 4096 --ffn 16384 --heads 32 --seq 2048 --batch 4] [--json out.json]
 
-"ms": steps issued back to back (a training loop), "ms_synced": each step started on an idle GPU.
+"ms": steps issued back to back (a training loop), the median of 5 rounds that each time every row
+(common.time_interleaved; the CUDA graph row is timed after them); "ms_synced": each step started on an
+idle GPU.
 Same run, same GPU, bf16 parameters, dropout 0.1 (the seed's settings), causal attention.
 Each step starts from cleared gradients (optimizer.zero_grad(set_to_none=True)), so no .grad
 accumulation is timed. Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd from cleared
@@ -13,7 +15,7 @@ besides its gradients (the FP8 weight copies kept for the next forward).
 switched off (te_parallel/ops/mlp.py), the forward GEMMs' accumulation flipped (ops/gemm.FPROP_FAST_ACCUM),
 the fused MLP backward in one piece instead of row chunks (ops/mlp.BWD_CHUNK_BYTES), the FP8 weights
 kept from forward to backward and for the next forward (is_first_microbatch=True, TE's micro-batch
-flag), then the unchanged FP8 row again, which shows how much a row moves by its position in the run alone.
+flag). The row with every FP8 GEMM through the non-default GEMM (torch._scaled_mm) is always there.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import other_gemm_label, report, time_cuda, time_cuda_stream, training_step  # noqa: E402
+from common import other_gemm_label, report, time_cuda, time_cuda_stream, time_interleaved, training_step  # noqa: E402
 from te_parallel import _native, recipe  # noqa: E402
 
 
@@ -50,8 +52,11 @@ class TorchLayer(torch.nn.Module):
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")), 0.1)
 
 
-def measure(name, step, rows, base=None):
-    ms, synced = time_cuda_stream(step, warmup=5, iters=10), time_cuda(step, warmup=2, iters=20)
+def measure(name, step, rows, ms=None, base=None):
+    """One row: ms back to back (timed here unless given: common.time_interleaved's), synced ms, and the
+    step's peak and held memory."""
+    ms = time_cuda_stream(step, warmup=5, iters=10) if ms is None else ms
+    synced = time_cuda(step, warmup=2, iters=20)
     step.clear_grads()  # the step starts from zero_grad(set_to_none=True): its gradients count in its peak
     getattr(step, "drop_fp8_weights", lambda: None)()  # ... and without FP8 weight copies: they count too
     torch.cuda.synchronize()
@@ -66,6 +71,17 @@ def measure(name, step, rows, base=None):
     rows.append({"case": name, "ms": ms, "peak_GiB": peak, "held_GiB": held, "speedup_vs_torch": base_ms / ms, "ms_synced": synced,
                  "synced_speedup": base_synced / synced})
     return ms, synced
+
+
+def under(what: str, step):
+    """`step` run with switched_off(what) around each call (keeping its clear_grads / params helpers)."""
+    def run():
+        with switched_off(what):
+            step()
+    run.clear_grads, run.params = step.clear_grads, step.params
+    if hasattr(step, "drop_fp8_weights"):
+        run.drop_fp8_weights = step.drop_fp8_weights
+    return run
 
 
 @contextlib.contextmanager
@@ -100,27 +116,26 @@ def main() -> None:
     x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=dt, requires_grad=True)
     dy = torch.randn_like(x)
     fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    rows = []
-    base = measure("torch bf16 + SDPA", training_step(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt), x, dy), rows)
     layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, params_dtype=dt, device="cuda")
-    measure("te bf16", training_step(layer, x, dy), rows, base)
-    measure("te FP8 delayed", training_step(layer, x, dy, fp8), rows, base)
-    measure("te FP8 current", training_step(layer, x, dy, recipe.Float8CurrentScaling()), rows, base)
+    steps = {"torch bf16 + SDPA": training_step(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt), x, dy),
+             "te bf16": training_step(layer, x, dy),
+             "te FP8 delayed": training_step(layer, x, dy, fp8),
+             "te FP8 current": training_step(layer, x, dy, recipe.Float8CurrentScaling())}
     if _native.gemm_usable():  # every FP8 GEMM through the non-default GEMM (ops/gemm.NATIVE_GEMM)
-        other = other_gemm_label()
-        with switched_off("default GEMM"):
-            measure(f"te FP8 delayed, {other}", training_step(layer, x, dy, fp8), rows, base)
-        measure(f"te FP8 delayed (again, after the {other} row)", training_step(layer, x, dy, fp8), rows, base)
+        steps[f"te FP8 delayed, {other_gemm_label()}"] = under("default GEMM", training_step(layer, x, dy, fp8))
     labels = {"fused activation": "fused activation off", "fprop accumulation": "fprop fast accumulation flipped",
               "mlp chunks": "MLP backward in one piece"}
     for what, label in labels.items() if a.ablate else ():
-        with switched_off(what):
-            measure(f"te FP8 delayed, {label}", training_step(layer, x, dy, fp8), rows, base)
+        steps[f"te FP8 delayed, {label}"] = under(what, training_step(layer, x, dy, fp8))
     if a.ablate:
-        measure("te FP8 delayed, FP8 weights kept (is_first_microbatch=True)",
-                training_step(layer, x, dy, fp8, is_first_microbatch=True), rows, base)
-        # the unchanged row again: how far later rows drift by their position alone
-        measure("te FP8 delayed (again, after the ablation rows)", training_step(layer, x, dy, fp8), rows, base)
+        steps["te FP8 delayed, FP8 weights kept (is_first_microbatch=True)"] = \
+            training_step(layer, x, dy, fp8, is_first_microbatch=True)
+    # every row in each of 5 rounds (no row gains from its place in the sequence)
+    times = time_interleaved(steps, warmup=5, iters=10, rounds=5)
+    rows, base = [], None
+    for name, step in steps.items():
+        got = measure(name, step, rows, times[name], base)
+        base = base or got
     graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
 
     graph_clear = training_step(layer, x, dy).clear_grads
@@ -130,7 +145,7 @@ def main() -> None:
         graphed(x).backward(dy)
     graph_step.clear_grads = graph_clear
     graph_step.params = list(layer.parameters())
-    measure("te FP8 delayed, CUDA graph", graph_step, rows, base)
+    measure("te FP8 delayed, CUDA graph (timed after the other rows)", graph_step, rows, None, base)
     shape = f"h{a.hidden} ffn{a.ffn} heads{a.heads} s{a.seq} b{a.batch}"
     report(f"TransformerLayer fwd+bwd ({shape}, bf16 params; ms per step back to back, ms_synced from an idle GPU)",
            rows, ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"], a.json)

@@ -43,6 +43,27 @@ def time_cuda_stream(fn: Callable[[], None], warmup: int = 5, iters: int = 20, r
     return statistics.median(_events_ms(fn, iters) / iters for _ in range(repeats))
 
 
+def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int = 5, iters: int = 20,
+                     rounds: int = 7, settle: int | None = None) -> Dict[str, float]:
+    """time_cuda_stream for several cases at once, in rounds: each round times `iters` back-to-back calls
+    of every case, starting one case further on each round; the median over rounds per case. A GPU at
+    its power cap runs a case faster or slower by where it sits in a sequence (the last of five Linear
+    rows ran 3-5% faster than the same code in the third), so cases are compared inside each round.
+    `settle` calls (default: iters) run untimed before each timed sample, so that the clock the power cap
+    sets has adjusted from the previous case's load to this one's."""
+    for fn in steps.values():
+        _warm(fn, warmup)
+    names = list(steps)
+    samples: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            for _ in range(iters if settle is None else max(settle, 1)):
+                steps[name]()
+            samples[name].append(_events_ms(steps[name], iters) / iters)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
 def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None,
                   **forward_kwargs) -> Callable[[], None]:
     """One fwd+bwd of `module` on x (and forward_kwargs) as a training loop runs it: gradients cleared
@@ -58,10 +79,11 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp
         for p in params:
             p.grad = None
 
-    def drop_fp8_weights():
-        for m in module.modules():
-            if hasattr(m, "drop_fp8_weight_cache"):
-                m.drop_fp8_weight_cache()
+    droppers = [m.drop_fp8_weight_cache for m in module.modules() if hasattr(m, "drop_fp8_weight_cache")]
+
+    def drop_fp8_weights():  # (the list is made once: walking the modules is the harness's cost, not the step's)
+        for drop in droppers:
+            drop()
 
     def step():
         clear_grads()

@@ -174,6 +174,29 @@ def test_old_gpu_raises(monkeypatch):
         pass
 
 
+def test_region_ends_when_its_body_raises_and_works_as_a_decorator(device):
+    m = _lin(device)
+    x = torch.randn(16, 32, device=device)
+    with pytest.raises(ValueError, match="boom"):
+        with te.fp8_autocast(fp8_recipe=R.DelayedScaling(min_fp8_gemm=0)):  # (FP8 even at this size on a GPU)
+            m(x)
+            raise ValueError("boom")
+    assert ac.current_frame() is None
+    assert m.fp8_state.fwd_amax_history.abs().max() > 0  # the forward that ran was still recorded ...
+    assert not ac._TLS.fwd.entries  # ... and its update ran at the exit
+
+    @te.fp8_autocast(fp8_recipe=R.Float8CurrentScaling())
+    def forward(inp):
+        assert isinstance(ac.current_frame().recipe, R.Float8CurrentScaling)
+        return m(inp)
+
+    forward(x)
+    forward(x)  # (the same object enters again)
+    assert ac.current_frame() is None
+    with te.fp8_autocast():
+        assert ac.current_frame().recipe == R.DelayedScaling()  # no recipe given: the default
+
+
 def test_bad_recipe_type():
     with pytest.raises(TypeError, match="fp8_recipe"):
         with te.fp8_autocast(fp8_recipe="hybrid"):

@@ -15,9 +15,9 @@ per-thread, like torch.autocast's.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import ContextDecorator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -151,16 +151,21 @@ def _update_members(members, backward: bool) -> None:
         update_delayed_scaling(tensors, recipe, fp8_max(dtype), update_scale)
 
 
-_FP8_CAPABLE: Dict[int, Tuple[bool, str]] = {}  # current CUDA device -> (ok, reason), asked once per device
+# "cuda" -> torch.cuda.is_available(); a CUDA device -> (ok, reason): asked once each (every
+# fp8_autocast entry asks, and the device's properties cost microseconds)
+_FP8_CAPABLE: Dict[object, object] = {}
 
 
 def is_fp8_available(return_reason: bool = False):
     """FP8 runs on CPU (for development) and on CUDA GPUs of compute capability >= 8.9."""
     ok, reason = True, ""
-    if torch.cuda.is_available():
+    cuda = _FP8_CAPABLE.get("cuda")
+    if cuda is None:
+        cuda = _FP8_CAPABLE["cuda"] = torch.cuda.is_available()
+    if cuda:
         device = torch.cuda.current_device()
         known = _FP8_CAPABLE.get(device)
-        if known is None:  # (every fp8_autocast entry asks; the device's properties cost microseconds)
+        if known is None:
             major, minor = torch.cuda.get_device_capability(device)
             if (major, minor) < (8, 9):
                 name = torch.cuda.get_device_name(device)
@@ -170,31 +175,41 @@ def is_fp8_available(return_reason: bool = False):
     return (ok, reason) if return_reason else ok
 
 
-@contextmanager
-def fp8_autocast(
-    enabled: bool = True,
-    calibrating: bool = False,
-    fp8_recipe: Optional[Recipe] = None,
-    fp8_group: Optional[dist.ProcessGroup] = None,
-) -> Iterator[None]:
+_DEFAULT_RECIPE: List[Recipe] = []  # the recipe of fp8_autocast(fp8_recipe=None), made once (it is frozen)
+
+
+class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like torch.autocast, not a generator)
     """Run the enclosed forward pass with FP8 GEMMs (see the module docstring).
 
+    fp8_recipe: None means DelayedScaling() with its defaults.
     fp8_group: the ranks over which amaxes are all-reduced (MAX) so that they share scales;
     None means each module's tensor-parallel group.
+    (A class rather than a @contextmanager generator: a training step enters it once per micro-batch
+    and the generator's machinery cost more host time than the region's own work.)
     """
-    if enabled:
-        ok, reason = is_fp8_available(return_reason=True)
-        if not ok:
-            raise RuntimeError(f"fp8_autocast(enabled=True): {reason}; run with enabled=False")
-    if fp8_recipe is None:
-        fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, Recipe):
-        raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling), got {fp8_recipe!r}")
-    frames = _TLS.frames
-    frames.append(FP8Frame(bool(enabled), bool(calibrating), fp8_recipe, fp8_group))
-    try:
-        yield
-    finally:
+
+    __slots__ = ("frame", "enabled", "calibrating", "fp8_recipe", "fp8_group")
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                 fp8_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.enabled, self.calibrating, self.fp8_recipe, self.fp8_group = enabled, calibrating, fp8_recipe, fp8_group
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            ok, reason = is_fp8_available(return_reason=True)
+            if not ok:
+                raise RuntimeError(f"fp8_autocast(enabled=True): {reason}; run with enabled=False")
+        recipe = self.fp8_recipe
+        if recipe is None:
+            if not _DEFAULT_RECIPE:
+                _DEFAULT_RECIPE.append(DelayedScaling())
+            recipe = _DEFAULT_RECIPE[0]
+        elif not isinstance(recipe, Recipe):
+            raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling), got {recipe!r}")
+        _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group))
+
+    def __exit__(self, *exc) -> None:
+        frames = _TLS.frames
         frames.pop()
         if not frames:
             _TLS.fwd.flush()

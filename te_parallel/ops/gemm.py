@@ -138,9 +138,11 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate=None
 FPROP_FAST_ACCUM = False
 
 # Every FP8 GEMM through te_parallel's cuBLASLt call (where cuBLASLt opens) instead of
-# torch._scaled_mm. The default since the tenth session: in three runs on H200s (docs/benchmarks.md) it
-# was as fast or faster at every Linear shape (4% at 8192x4096->16384) and the same in the seed layer.
-# TE_PARALLEL_NATIVE_GEMM=0 picks torch._scaled_mm. GEMMs that accumulate use it regardless.
+# torch._scaled_mm. The default since the tenth session (docs/benchmarks.md, "Tenth session"): timed
+# interleaved on H200s, the two are equally fast on the GPU at the large Linear shapes and in the seed
+# layer, and the native call was faster wherever the host shows (8192x4096->4096: 0.80-1.23 against
+# 0.90-1.31 ms in four runs); its call costs about half of _scaled_mm's host time (bench_host --floor).
+# TE_PARALLEL_NATIVE_GEMM=0 picks torch._scaled_mm. GEMMs that accumulate use the native call regardless.
 NATIVE_GEMM = os.environ.get("TE_PARALLEL_NATIVE_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
