@@ -43,7 +43,9 @@ class GPT(nn.Module):
                                 init_method=init, output_layer_init_method=out_init, layer_number=i + 1,
                                 tp_group=tp_group, set_parallel_mode=True, sequence_parallel=sp,
                                 get_rng_state_tracker=get_tracker, device=device,
-                                ub_tp_comm_overlap=ub_comm is not None, ub_comm=ub_comm)
+                                ub_tp_comm_overlap=ub_comm is not None, ub_comm=ub_comm,
+                                # dx's reduce-scatter pipelined with dgrad: the faster schedule (docs/overlap.md)
+                                ub_overlap_rs_dgrad=ub_comm is not None)
             for i in range(cfg.layers))
         self.norm = te.LayerNorm(cfg.hidden, sequence_parallel=sp, tp_group=tp_group if sp else None, device=device)
         self.head = te.Linear(cfg.hidden, cfg.vocab, bias=False, init_method=init, tp_group=tp_group,
