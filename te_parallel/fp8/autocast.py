@@ -188,8 +188,6 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
     and the generator's machinery cost more host time than the region's own work.)
     """
 
-    __slots__ = ("frame", "enabled", "calibrating", "fp8_recipe", "fp8_group")
-
     def __init__(self, enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group: Optional[dist.ProcessGroup] = None) -> None:
         self.enabled, self.calibrating, self.fp8_recipe, self.fp8_group = enabled, calibrating, fp8_recipe, fp8_group
