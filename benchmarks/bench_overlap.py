@@ -9,11 +9,12 @@ Rows per case: the GEMM alone (on already-gathered / unreduced data), NCCL colle
 (sequential), te_parallel's overlap; ratios are ÷ GEMM alone. Every time is the max over the ranks
 of the per-rank median (CUDA events). `--layer` adds the seed TransformerLayer (hidden 4096, ffn 16384,
 32 heads, s 2048 × b 4; `--layer-batch 4 8` adds b=8) at TP=2+SP in FP8, fwd+bwd with and without
-overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap), and a
-third row without any sequence all-gather / reduce-scatter (outputs left unwritten: only its time is
-meaningful). Its GEMMs ran ~20% faster than the other rows' (profile_layer_kernels.py): it is not a
-bound on what overlap can reach, only the time of the step's work with no transfer at all.
-Times are per call of loops issued back to back (the host runs ahead, as in training).
+overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap), and
+two rows without any sequence all-gather / reduce-scatter: `_LocalTransfer` (local copies write every
+output byte with real data: the floor no overlap can go below) and `_NoTransfer` (outputs left
+unwritten; its GEMMs on never-written memory draw less power and run ~20% faster under the power cap,
+so it is no bound). The layer rows are timed interleaved (common.time_interleaved).
+Op times are per call of loops issued back to back (the host runs ahead, as in training).
 A last table gives NCCL's own all-gather / reduce-scatter bus bandwidth in the same run (nccl-tests'
 convention: algorithm bandwidth = bytes of the whole gathered / unreduced tensor ÷ time, bus bandwidth =
 that × (tp-1)/tp), at the issue's size and a sweep, so the overlap rows can be read against the link.
