@@ -175,7 +175,7 @@ def is_fp8_available(return_reason: bool = False):
     return (ok, reason) if return_reason else ok
 
 
-_DEFAULT_RECIPE: List[Recipe] = []  # the recipe of fp8_autocast(fp8_recipe=None), made once (it is frozen)
+_DEFAULT_RECIPE = DelayedScaling()  # the recipe of fp8_autocast(fp8_recipe=None), made once (it is frozen)
 
 
 class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like torch.autocast, not a generator)
@@ -199,9 +199,7 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
                 raise RuntimeError(f"fp8_autocast(enabled=True): {reason}; run with enabled=False")
         recipe = self.fp8_recipe
         if recipe is None:
-            if not _DEFAULT_RECIPE:
-                _DEFAULT_RECIPE.append(DelayedScaling())
-            recipe = _DEFAULT_RECIPE[0]
+            recipe = _DEFAULT_RECIPE
         elif not isinstance(recipe, Recipe):
             raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling), got {recipe!r}")
         _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group))
