@@ -6,7 +6,11 @@ and cudart is linked statically: `import te_parallel._C` then works on machines 
 libcudart.so (CPU CI), and never depends on which CUDA runtime torch ships.
 
 Without nvcc (or with TE_PARALLEL_SKIP_NATIVE=1) no extension is built; te_parallel then runs on its
-pure-PyTorch fallbacks (te_parallel/_native.py warns once at run time).
+pure-PyTorch fallbacks (te_parallel/native/__init__.py warns once at run time).
+
+Before compiling, the build says so on stderr (shown by `pip install -v`): which architectures, roughly
+how long, and how to build fewer or none. pip without -v hides a build's output, so the same lines
+also go to the terminal (/dev/tty) when there is one.
 
 Build-time switches (environment):
   TE_PARALLEL_CUDA_ARCHS   "89;90;100" by default; ';' or ',' separated; "90a", "sm_90", "9.0" accepted.
@@ -97,6 +101,28 @@ def max_jobs() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def notice(message: str) -> None:
+    """A line for the person installing: on stderr, and on the terminal when stderr is captured (pip)."""
+    print(message, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(f"\n{message}\n")
+    except OSError:
+        pass  # no terminal (CI, containers): stderr is all there is
+
+
+def build_notice(archs: list[str], n_cuda: int, jobs: int) -> str:
+    """What the build is about to do and roughly how long it takes (about a minute per architecture
+    with two compiler jobs, measured on a 2-core machine)."""
+    minutes = max(1, round(2 * len(archs) / jobs))
+    return (f"te_parallel: compiling {n_cuda} CUDA kernel files with nvcc for sm_{', sm_'.join(archs)} "
+            f"({jobs} compiler jobs): roughly {minutes} minute{'s' if minutes > 1 else ''}. Build only your GPU's "
+            f"architecture with TE_PARALLEL_CUDA_ARCHS=90 (H100/H200; 89 Ada, 100 Blackwell), or none with "
+            f"TE_PARALLEL_SKIP_NATIVE=1 (pure PyTorch)")
+
+
 def run_command(cmd: list[str]) -> None:
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
     result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -119,6 +145,7 @@ class NvccBuildExt(build_ext):
         obj_dir = Path(self.build_temp).resolve() / "te_parallel_C"
         obj_dir.mkdir(parents=True, exist_ok=True)
         sources = [ROOT / s for s in ext.sources]
+        notice(build_notice(archs, sum(s.suffix == ".cu" for s in sources), max_jobs()))
         jobs = [self._nvcc_job(nvcc, cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cu"]
         jobs += [self._cxx_job(cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cpp"]
         with ThreadPoolExecutor(max_workers=max_jobs()) as pool:
@@ -166,7 +193,7 @@ class NoticeBuildPy(build_py):
     def run(self) -> None:
         reason = native_skip_reason()
         if reason:
-            print(reason, file=sys.stderr, flush=True)
+            notice(reason)
         super().run()
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import report, time_cuda  # noqa: E402
 from graph_timing import time_cuda_graph  # noqa: E402
-from te_parallel.ops import native_activation as na  # noqa: E402
+from te_parallel.native import activation as na  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["8192x16384", "8192x4096"], help="tokens x cols of fc1's output")
     ap.add_argument("--no-graph", action="store_true", help="eager timing only")
     args = ap.parse_args()
-    if not na.supports("gelu", torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)):
+    if not na.usable("gelu", torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)):
         raise SystemExit("bench_activation: te_parallel._C has no activation kernels; build them first")
     timings = [("eager", time_cuda)] + ([] if args.no_graph else [("graph", time_cuda_graph)])
     rows = []

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import report, time_cuda  # noqa: E402
 from graph_timing import time_cuda_graph  # noqa: E402
-from te_parallel import _native  # noqa: E402
+from te_parallel.native import cast as native_cast  # noqa: E402
 
 
 def torch_cast(x, scale, amax):
@@ -39,7 +39,8 @@ def main() -> None:
         copy_ms = time_cuda(lambda: x.clone())
         copy_bw = 4 * m * n / copy_ms / 1e6
         for name, fn in [("copy (x.clone)", lambda: x.clone()),
-                         ("native cast+transpose+amax", lambda: _native.cast_transpose_amax(x, scale, torch.float8_e4m3fn, amax, True)),
+                         ("native cast+transpose+amax",
+                          lambda: native_cast.cast_transpose_amax(x, scale, torch.float8_e4m3fn, amax, True)),
                          ("torch ops", lambda: torch_cast(x, scale, amax))]:
             ms = time_cuda(fn)
             bw = nbytes / ms / 1e6 if name != "copy (x.clone)" else copy_bw
@@ -47,7 +48,7 @@ def main() -> None:
         graph_copy_ms = time_cuda_graph(lambda: x.clone())
         for name, fn in [("copy (x.clone) [graph]", lambda: x.clone()),
                          ("native cast+transpose+amax [graph]",
-                          lambda: _native.cast_transpose_amax(x, scale, torch.float8_e4m3fn, amax, True))]:
+                          lambda: native_cast.cast_transpose_amax(x, scale, torch.float8_e4m3fn, amax, True))]:
             ms = graph_copy_ms if name.startswith("copy") else time_cuda_graph(fn)
             bw = nbytes / ms / 1e6
             rows.append({"shape": f"{m}x{n}", "case": name, "ms": ms, "GB_s": bw, "vs_copy_bw": graph_copy_ms / ms})

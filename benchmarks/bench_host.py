@@ -8,8 +8,8 @@ of issuing the call (Python, autograd bookkeeping, allocator, kernel launches). 
 (grad enabled) and inference forward (no_grad). FP8 rows run all calls inside one fp8_autocast region
 (as a model's forward does) with the weight cast cached (is_first_microbatch=False after the first call);
 the once-per-region cost (the delayed-scaling update at the region's exit) is its own row. The FP8
-rows run the GEMM in FP8 (min_fp8_gemm=0); one more row has the default recipe, under whose
-min_fp8_gemm a GEMM this small runs in bf16.
+rows run the GEMM in FP8 (the recipes' default); one more row has a recipe whose min_fp8_gemm runs a
+GEMM this small in bf16.
 --floor times the blocks of an FP8 forward alone (the cast and GEMM calls with everything prepared,
 an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least (JSON:
 <json stem>_floor.json).
@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import other_gemm_label, report, with_other_gemm  # noqa: E402
-from te_parallel import _native, recipe  # noqa: E402
-from te_parallel.ops import gemm  # noqa: E402
+from common import OTHER_GEMM_LABEL, report, with_torch_gemm  # noqa: E402
+from te_parallel import native, recipe  # noqa: E402
+from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
 
 def issue_us(call, calls: int, region=contextlib.nullcontext) -> float:
@@ -81,7 +81,7 @@ def floor(m: int, k: int, n: int, a) -> None:
     """The building blocks of an FP8 forward, each alone, called from Python with everything prepared:
     what any Python-orchestrated FP8 forward (one cast, one FP8 GEMM, an autograd node) pays at least."""
     dev, bf16, e4m3 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
-    mod = _native.load()
+    mod = native.load()  # the raw binding: these rows time the calls without the wrappers' checks
     x, w = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(n, k, device=dev, dtype=bf16)
     bias = torch.randn(n, device=dev, dtype=bf16)
     x8, w8 = x.to(e4m3), w.to(e4m3)
@@ -89,14 +89,14 @@ def floor(m: int, k: int, n: int, a) -> None:
     y = torch.empty(m, n, device=dev, dtype=bf16)
     xq, xq_t = torch.empty(m, k, device=dev, dtype=e4m3), torch.empty(k, m, device=dev, dtype=e4m3)
     amax, scale_inv = torch.zeros(1, device=dev), torch.empty((), device=dev)
-    stream = _native.launch_on(dev)[1]
-    ws = _native.gemm_workspace(dev, stream)
-    codes = _native._DTYPES
+    stream = native.launch_on(dev)[1]
+    ws = gemm_kernels.workspace(dev, stream)
+    codes = native.DTYPES
     leaf = x.clone().requires_grad_()
 
     def native_gemm():
         mod.gemm(x8.data_ptr(), codes[e4m3], w8.data_ptr(), codes[e4m3], m, n, k, one.data_ptr(), one.data_ptr(), 0,
-                 y.data_ptr(), codes[bf16], bias.data_ptr(), False, ws.data_ptr(), _native.GEMM_WORKSPACE_BYTES, stream)
+                 y.data_ptr(), codes[bf16], bias.data_ptr(), False, ws.data_ptr(), gemm_kernels.WORKSPACE_BYTES, stream)
 
     def native_cast():
         mod.cast_transpose_amax(x.data_ptr(), codes[bf16], m, k, one.data_ptr(), xq.data_ptr(), xq_t.data_ptr(),
@@ -113,7 +113,7 @@ def floor(m: int, k: int, n: int, a) -> None:
              ("te _C.cast_transpose_amax, outputs given, no checks", native_cast, nothing),
              ("torch.empty (one FP8 [m, k])", lambda: torch.empty(m, k, device=dev, dtype=e4m3), nothing),
              ("autograd.Function.apply (identity, one input)", function_apply, nothing)]
-    if _native.gemm_usable():
+    if gemm_kernels.usable():
         cases.insert(2, ("te _C.gemm FP8 + bias, output given, no checks", native_gemm, nothing))
     with torch.no_grad():
         got = measure(cases, a.calls, a.rounds)
@@ -139,10 +139,10 @@ def main() -> None:
     x = torch.randn(m, k, device="cuda", dtype=dt, requires_grad=True)
     ref = torch.nn.Linear(k, n, device="cuda", dtype=dt)
     lin = te.Linear(k, n, device="cuda", params_dtype=dt)
-    # min_fp8_gemm=0: the GEMM in FP8 whatever its size (the issue's row). A default recipe runs this
-    # shape in bf16 (Recipe.min_fp8_gemm), which is its own row.
-    delayed, current = recipe.DelayedScaling(min_fp8_gemm=0), recipe.Float8CurrentScaling(min_fp8_gemm=0)
-    default = recipe.DelayedScaling()
+    # The default recipes run every GEMM in FP8, whatever its size; a recipe with min_fp8_gemm above
+    # this GEMM's size runs it in bf16 (the small-GEMM fallback), which is its own row.
+    delayed, current = recipe.DelayedScaling(), recipe.Float8CurrentScaling()
+    fallback = recipe.DelayedScaling(min_fp8_gemm=m * k * n + 1)
 
     def fp8_region(rec):
         return lambda: te.fp8_autocast(fp8_recipe=rec)
@@ -158,11 +158,10 @@ def main() -> None:
                  ("te bf16", te_call, nothing),
                  ("te FP8 delayed", te_call, fp8_region(delayed)),
                  ("te FP8 current", te_call, fp8_region(current)),
-                 ("te FP8 delayed, default recipe (bf16 GEMM below min_fp8_gemm)", te_call, fp8_region(default))]
-        if _native.gemm_usable():
-            other = other_gemm_label()
-            cases += [(f"te FP8 delayed, {other}", with_other_gemm(te_call), fp8_region(delayed)),
-                      (f"te FP8 current, {other}", with_other_gemm(te_call), fp8_region(current))]
+                 ("te FP8 delayed, bf16 GEMM below min_fp8_gemm", te_call, fp8_region(fallback))]
+        if gemm_kernels.usable():
+            cases += [(f"te FP8 delayed, {OTHER_GEMM_LABEL}", te_call, fp8_region(with_torch_gemm(delayed))),
+                      (f"te FP8 current, {OTHER_GEMM_LABEL}", te_call, fp8_region(with_torch_gemm(current)))]
         with mode():
             got = measure(cases, a.calls, a.rounds)
         base = got["torch bf16 nn.Linear"]
@@ -187,16 +186,13 @@ def main() -> None:
     if a.floor:
         floor(m, k, n, a)
     if a.profile:  # cProfile of the FP8 training forward, with torch._scaled_mm and with the native GEMM
-        default = gemm.NATIVE_GEMM
-        for native_gemm in (False, True) if _native.gemm_usable() else (False,):
-            gemm.NATIVE_GEMM = native_gemm
+        for native_gemm in (False, True) if gemm_kernels.usable() else (False,):
             prof = cProfile.Profile()
-            with te.fp8_autocast(fp8_recipe=delayed):
+            with te.fp8_autocast(fp8_recipe=delayed if native_gemm else with_torch_gemm(delayed)):
                 prof.enable()
                 for _ in range(2000):
                     te_call()
                 prof.disable()
-            gemm.NATIVE_GEMM = default
             torch.cuda.synchronize()
             print(f"\ncProfile of 2000 FP8 delayed training forwards, native GEMM: {native_gemm}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)

@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (other_gemm_label, report, time_cuda, time_cuda_stream, time_interleaved, training_step,  # noqa: E402
-                    with_other_gemm)
-from te_parallel import _native, recipe  # noqa: E402
+from common import (OTHER_GEMM_LABEL, report, time_cuda, time_cuda_stream, time_interleaved, training_step,  # noqa: E402
+                    with_torch_gemm)
+from te_parallel import recipe  # noqa: E402
+from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
 
 SETTLE = None  # untimed steps before each timed sample (common.time_interleaved; --settle)
@@ -45,12 +46,9 @@ def bench_shape(m: int, k: int, n: int):
     rows = []
     cases = [("torch bf16", ref, None), ("te bf16", lin, None),
              ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling())]
-    if _native.gemm_usable():
-        cases.append((f"te fp8 delayed, {other_gemm_label()}", lin, recipe.DelayedScaling()))
-    steps = {}
-    for name, mod, rec in cases:
-        step = training_step(mod, x, dy, rec)
-        steps[name] = with_other_gemm(step) if other_gemm_label() in name else step
+    if gemm_kernels.usable():
+        cases.append((f"te fp8 delayed, {OTHER_GEMM_LABEL}", lin, with_torch_gemm(recipe.DelayedScaling())))
+    steps = {name: training_step(mod, x, dy, rec) for name, mod, rec in cases}
     back_to_back = time_interleaved(steps, settle=SETTLE)
     synced = {name: time_cuda(step) for name, step in steps.items()}
     base, base_synced = back_to_back["torch bf16"], synced["torch bf16"]
@@ -67,7 +65,7 @@ SWEEP = ["1024x1024x1024", "2048x768x3072", "2048x2048x2048", "4096x2048x2048", 
 
 
 def sweep(shapes, json_path) -> None:
-    """te FP8 (every GEMM in FP8: min_fp8_gemm=0) against te bf16 (what the small-GEMM fallback runs)."""
+    """te FP8 (every GEMM in FP8, the recipes' default) against te bf16 (what a min_fp8_gemm fallback runs)."""
     rows = []
     for s in shapes:
         m, k, n = (int(v) for v in s.split("x"))
@@ -75,7 +73,7 @@ def sweep(shapes, json_path) -> None:
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         lin = te.Linear(k, n, device="cuda", params_dtype=torch.bfloat16)
         bf = time_cuda_stream(training_step(lin, x, dy))
-        f8 = time_cuda_stream(training_step(lin, x, dy, recipe.DelayedScaling(min_fp8_gemm=0)))
+        f8 = time_cuda_stream(training_step(lin, x, dy, recipe.DelayedScaling()))
         rows.append({"shape": s, "MKN": m * k * n, "te_bf16_ms": bf, "te_fp8_forced_ms": f8, "fp8_speedup": bf / f8})
     rows.sort(key=lambda r: r["MKN"])
     # the smallest size from which FP8 wins at every larger measured shape

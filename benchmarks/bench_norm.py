@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import report, time_cuda  # noqa: E402
-from te_parallel.ops import native_norm  # noqa: E402
+from te_parallel.native import norm as norm_kernels  # noqa: E402
 
 EPS = 1e-5
 
@@ -36,20 +36,20 @@ def torch_fp8(y, scale, amax):
 def cases(norm: str, x, w, b, dy, scale, amax):
     """(name, fn, bytes per element) for one norm; native and torch side by side."""
     h = x.shape[1]
-    spec = native_norm.FP8NormOutput(scale, torch.float8_e4m3fn, amax, transpose=True)
+    spec = norm_kernels.FP8NormOutput(scale, torch.float8_e4m3fn, amax, transpose=True)
     if norm == "LayerNorm":
         def nat_fwd(**kw):
-            return native_norm.layer_norm_fwd(x, w, b, EPS, **kw)
+            return norm_kernels.layer_norm_fwd(x, w, b, EPS, **kw)
 
         _, mu, rs = nat_fwd()
-        nat_bwd = lambda: native_norm.layer_norm_bwd(dy, x, mu, rs, w)  # noqa: E731
+        nat_bwd = lambda: norm_kernels.layer_norm_bwd(dy, x, mu, rs, w)  # noqa: E731
         torch_fwd = lambda: F.layer_norm(x, (h,), w, b, EPS)  # noqa: E731
     else:
         def nat_fwd(**kw):
-            return native_norm.rms_norm_fwd(x, w, EPS, **kw)
+            return norm_kernels.rms_norm_fwd(x, w, EPS, **kw)
 
         _, rs = nat_fwd()
-        nat_bwd = lambda: native_norm.rms_norm_bwd(dy, x, rs, w)  # noqa: E731
+        nat_bwd = lambda: norm_kernels.rms_norm_bwd(dy, x, rs, w)  # noqa: E731
         torch_fwd = lambda: F.rms_norm(x, (h,), w, EPS)  # noqa: E731
     xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
     bg = b.detach().requires_grad_(True)

@@ -2,34 +2,35 @@
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_overlap.py [--json out.json] [--layer]
 
-Shapes (issue 6): per-rank input 4096×4096 (M = 4096·tp tokens in all), weight shard 6144×4096.
+Shapes: per-rank input 4096×4096 (M = 4096·tp tokens in all), weight shard 6144×4096.
   column fprop  AG(x [M/tp, 4096]) · W[6144, 4096]ᵀ            -> [M, 6144]
   row fprop     RS(x [M, 6144] · W[4096, 6144]ᵀ)               -> [M/tp, 4096]
 Rows per case: the GEMM alone (on already-gathered / unreduced data), NCCL collective then GEMM
 (sequential), te_parallel's overlap; ratios are ÷ GEMM alone. Every time is the max over the ranks
-of the per-rank median (CUDA events). `--layer` adds the seed TransformerLayer (hidden 4096, ffn 16384,
+of the per-rank median (CUDA events). `--layer` adds the GPT TransformerLayer (hidden 4096, ffn 16384,
 32 heads, s 2048 × b 4; `--layer-batch 4 8` adds b=8) at TP=2+SP in FP8, fwd+bwd with and without
 overlap, with the host's issue time per step beside it (a host-bound step cannot gain from overlap), and
 two rows without any sequence all-gather / reduce-scatter: `_LocalTransfer` (local copies write every
-output byte with real data: the floor no overlap can go below) and `_NoTransfer` (outputs left
+output byte with real data: the no-communication step, which no overlap can beat) and `_NoTransfer` (outputs left
 unwritten; its GEMMs on never-written memory draw less power and run ~20% faster under the power cap,
 so it is no bound). The layer rows are timed interleaved (common.time_interleaved).
 Op times are per call of loops issued back to back (the host runs ahead, as in training).
 A last table gives NCCL's own all-gather / reduce-scatter bus bandwidth in the same run (nccl-tests'
 convention: algorithm bandwidth = bytes of the whole gathered / unreduced tensor ÷ time, bus bandwidth =
-that × (tp-1)/tp), at the issue's size and a sweep, so the overlap rows can be read against the link.
+that × (tp-1)/tp), at the op's size and a sweep, so the overlap rows can be read against the link.
 The timeline rows prove overlap without nsys: CUDA events on the compute stream (each chunk's GEMM)
 and on the copy stream (each pull), relative to the start of the op on rank 0. `--trace` adds, for
 the default (native) schedule, every GPU activity of one call (torch.profiler: kernels and copies
 with their streams), which the native calls cannot interleave with events.
-The layer rows include schedule variants in the same run: short-K reduce-scatters (proj) in the
-default number of pieces instead of RS_PIECES_SHORT_K, and the column backward's reduce-scatter
+The layer rows include schedule variants in the same run: short-K reduce-scatters (proj) in
+OverlapConfig.rs_pieces pieces instead of rs_pieces_short_k, and the column backward's reduce-scatter
 pipelined with its dgrad (ub_overlap_rs_dgrad) instead of bulk under wgrad.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -42,6 +43,7 @@ from common import init_torchrun_nccl, max_over_ranks, report, time_cuda, time_i
 from te_parallel import recipe  # noqa: E402
 from te_parallel.fp8.tensor import Float8Tensor  # noqa: E402
 from te_parallel.ops import linear_overlap as ov  # noqa: E402
+from te_parallel.parallel.overlap_config import OverlapConfig  # noqa: E402
 from te_parallel.parallel.collectives import all_gather_dim0, reduce_scatter_dim0  # noqa: E402
 
 
@@ -79,7 +81,7 @@ def _fp8(t: torch.Tensor) -> Float8Tensor:
     return Float8Tensor(t.to(torch.float8_e4m3fn), torch.ones((), device=t.device))
 
 
-def ag_cases(ub, group, rank, tp, m, k, n, use_fp8):
+def ag_cases(ub, group, rank, tp, m, k, n, use_fp8, cfg=None):
     """Column fprop: gather x [m, k] from every rank, multiply by W [n, k]ᵀ."""
     x_local = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -96,7 +98,8 @@ def ag_cases(ub, group, rank, tp, m, k, n, use_fp8):
         ov.fprop_into(gathered, wq, None, out)
 
     def overlapped():
-        ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False, w=wq)
+        ov.ag_gemm(ub, xq, lambda a, o: ov.fprop_into(a, wq, None, o), n, torch.bfloat16, keep_gathered=False, w=wq,
+                   cfg=cfg)
 
     y_ref = torch.empty_like(out)
     ov.fprop_into(x_full_op, wq, None, y_ref)
@@ -143,7 +146,7 @@ def _ev(stream):
     return e
 
 
-def rs_cases(ub, group, rank, tp, m, k, n, use_fp8):
+def rs_cases(ub, group, rank, tp, m, k, n, use_fp8, cfg=None):
     """Row fprop: x [tp·m, k] · W [n, k]ᵀ, reduce-scattered to [m, n]."""
     x = torch.randn(tp * m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -158,11 +161,11 @@ def rs_cases(ub, group, rank, tp, m, k, n, use_fp8):
         reduce_scatter_dim0(out, group)
 
     def overlapped():
-        ov.gemm_rs(ub, xq, lambda a, o, c=None: ov.fprop_into(a, wq, None, o, c), n, torch.bfloat16, w=wq)
+        ov.gemm_rs(ub, xq, lambda a, o, c=None: ov.fprop_into(a, wq, None, o, c), n, torch.bfloat16, cfg, w=wq)
 
     ov.fprop_into(xq, wq, None, out)
     ref = reduce_scatter_dim0(out, group)[0]
-    y = ov.gemm_rs(ub, xq, lambda a, o, c=None: ov.fprop_into(a, wq, None, o, c), n, torch.bfloat16, w=wq)
+    y = ov.gemm_rs(ub, xq, lambda a, o, c=None: ov.fprop_into(a, wq, None, o, c), n, torch.bfloat16, cfg, w=wq)
     err = (y.float() - ref.float()).abs().max().item()
     assert err <= 2 ** -6 * ref.float().abs().max().item(), f"overlapped GEMM+RS differs by {err}"
     return gemm_alone, sequential, overlapped, lambda: _rs_timeline(ub, xq, wq, n, rank, tp)
@@ -176,7 +179,7 @@ def _rs_timeline(ub, xq, wq, n, rank, tp):
     t0 = _ev(cur)
     rows, inner = ov._bytes(xq).shape
     m = rows // tp
-    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda", pieces=ov.rs_pieces(tp, m, inner))
+    rs = ub.reduce_scatter(rows, n, torch.bfloat16, "cuda", pieces=OverlapConfig().rs_pieces_for(tp, m, inner))
     spans = []
     if len(rs.pieces) > 1:  # gemm_rs's TP=2 schedule: pieces, and the own GEMM adds the received ones
         peer = 1 - rank
@@ -254,9 +257,10 @@ def nccl_rows(group, tp: int, sizes_mib) -> list:
     return rows
 
 
-def seed_layer_step(group, tp: int, batch: int, extra: dict):
-    """(layer, step): the seed TransformerLayer at TP=tp + SP (`extra`: its overlap arguments) and one
-    FP8 fwd+bwd of it on s 2048 × b `batch` tokens (gradients accumulate across steps)."""
+def gpt_layer_step(group, tp: int, batch: int, extra: dict):
+    """(layer, step): the GPT TransformerLayer (hidden 4096, ffn 16384, 32 heads) at TP=tp + SP (`extra`:
+    its overlap arguments) and one FP8 fwd+bwd of it on s 2048 × b `batch` tokens (gradients accumulate
+    across steps)."""
     torch.manual_seed(0)
     layer = te.TransformerLayer(hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32, hidden_dropout=0.0,
                                 attention_dropout=0.0, tp_group=group, sequence_parallel=True, set_parallel_mode=True,
@@ -265,9 +269,7 @@ def seed_layer_step(group, tp: int, batch: int, extra: dict):
     dy = torch.randn_like(x)
 
     def step():
-        # min_fp8_gemm=0: every GEMM in FP8 with and without overlap (the overlap path never switches to
-        # bf16; without it the projection, 6.9e10 per rank at b=4, would run in bf16 in the NCCL row)
-        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm=0)):
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):  # every GEMM in FP8, with and without overlap
             y = layer(x)
         y.backward(dy)
     return layer, step
@@ -275,7 +277,7 @@ def seed_layer_step(group, tp: int, batch: int, extra: dict):
 
 class _NoTransfer:
     """The NCCL path's sequence all-gathers and reduce-scatters replaced by nothing (the outputs are left
-    unwritten): the step's compute and host work alone, the floor no overlap can go below. Its
+    unwritten): the step's compute and host work alone, a bound no overlap can go below. Its
     numbers are wrong; only its time is read."""
 
     class _Done:
@@ -301,7 +303,7 @@ class _LocalTransfer(_NoTransfer):
     every output byte with data of the same kind: each gathered slot gets this rank's own shard, and a
     reduce-scatter's output gets this rank's rows of its own partial (no sum). The GEMMs then read
     real numbers, not the never-written memory of `_NoTransfer`: under the power cap a GEMM on zeros
-    draws less power and clocks higher, so that floor was too low. The copies (device-to-device memcpy,
+    draws less power and clocks higher, so that bound was too low. The copies (device-to-device memcpy,
     a few tens of µs each) stay in the step's time; `profile_layer_kernels.py` reports them apart."""
 
     def __enter__(self):
@@ -324,37 +326,27 @@ class _LocalTransfer(_NoTransfer):
         return self
 
 
-@contextlib.contextmanager
-def _set(module, **values):
-    """Module constants set for the duration (a schedule variant in the same run)."""
-    saved = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
 def layer_rows(ub, group, rank, tp, batch):
     """The layer's cases timed together: every case in each of 5 rounds (common.time_interleaved, so no
     case gains from its place in the run), max over ranks of each case's median."""
     ovl = dict(ub_tp_comm_overlap=True, ub_comm=ub)
+    cfg = ub.default
+    long_k_pieces = dict(ub_tp_comm_overlap=True,
+                         ub_comm=ub.with_config(dataclasses.replace(cfg, rs_pieces_short_k=cfg.rs_pieces)))
     cases = [("no overlap (NCCL)", {}, contextlib.nullcontext), ("overlap", ovl, contextlib.nullcontext),
-             (f"overlap, short-K reduce-scatters in {ov.RS_PIECES} pieces (not {ov.RS_PIECES_SHORT_K})", ovl,
-              lambda: _set(ov, RS_PIECES_SHORT_K=ov.RS_PIECES)),
+             (f"overlap, short-K reduce-scatters in {cfg.rs_pieces} pieces (not {cfg.rs_pieces_short_k})",
+              long_k_pieces, contextlib.nullcontext),
              ("overlap, column dgrad + reduce-scatter pipelined (ub_overlap_rs_dgrad)",
               dict(ovl, ub_overlap_rs_dgrad=True), contextlib.nullcontext),
              ("no communication, outputs left unwritten (_NoTransfer)", {}, _NoTransfer),
-             ("no communication, outputs written locally (_LocalTransfer: the floor)", {}, _LocalTransfer)]
+             ("no communication at all, outputs written locally (_LocalTransfer)", {}, _LocalTransfer)]
 
     def under(ctx, step):
         def run():
             with ctx():
                 step()
         return run
-    steps = {name: under(ctx, seed_layer_step(group, tp, batch, extra)[1]) for name, extra, ctx in cases}
+    steps = {name: under(ctx, gpt_layer_step(group, tp, batch, extra)[1]) for name, extra, ctx in cases}
     dist.barrier()
     times = time_interleaved(steps, warmup=3, iters=10, rounds=5)
     rows = []
@@ -397,21 +389,20 @@ def main() -> None:
                          "overlap_host_us": _host_us(ovl), "seq_host_us": _host_us(seq)})
             # The schedule's variants, same run:
             # (pieces, own pieces per GEMM, native call)
-            variants = [(ov.RS_PIECES, ov.RS_OWN_GROUP, False)]
+            default = OverlapConfig()
+            variants = [(default.rs_pieces, default.rs_own_group, False)]
             if kind == "GEMM+RS" and tp == 2:
                 variants += [(1, 1, True), (4, 1, True), (4, 2, True), (8, 4, True)]
             for pieces, own, native in variants:
-                saved = ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE
-                ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS = pieces, (1 << 30 if pieces == 1 else 16)
-                ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE = own, native
+                cfg = OverlapConfig(rs_pieces=pieces, rs_pieces_short_k=pieces, rs_own_group=own, native_schedule=native,
+                                    rs_min_piece_rows=1 << 30 if pieces == 1 else 16)
                 name = ("issued step by step from Python" if not native else
                         "1 piece (fp32 sum pass)" if pieces == 1 else f"{pieces} pieces, own GEMM per {own}")
-                try:
-                    rows.append({"case": f"{label}, {name}", "gemm_alone_ms": t_alone,
-                                 "overlap_ms": (t := _timed(ovl)), "overlap_x": t / t_alone,
-                                 "overlap_synced_ms": _synced(ovl), "overlap_host_us": _host_us(ovl)})
-                finally:
-                    ov.RS_PIECES, ov.RS_MIN_PIECE_ROWS, ov.RS_OWN_GROUP, ov.NATIVE_SCHEDULE = saved
+                shape = (args.m, args.k, args.n) if kind == "AG+GEMM" else (args.m, args.n, args.k)
+                variant = make(ub, group, rank, tp, *shape, use_fp8, cfg=cfg)[2]
+                rows.append({"case": f"{label}, {name}", "gemm_alone_ms": t_alone,
+                             "overlap_ms": (t := _timed(variant)), "overlap_x": t / t_alone,
+                             "overlap_synced_ms": _synced(variant), "overlap_host_us": _host_us(variant)})
             for _ in range(3):  # the last of three (warm clocks and caches)
                 spans = timeline()
             timelines.append((label, spans))
@@ -436,7 +427,8 @@ def main() -> None:
             for name, a, b, stream in spans:
                 print(f"  stream {stream:<3} {a:8.1f} .. {b:8.1f}  ({b - a:6.1f})  {name}")
         if layer:
-            report(f"TransformerLayer (seed config) TP={tp}+SP FP8", layer, ["case", "ms", "speedup", "synced_ms", "host_ms"],
+            report(f"TransformerLayer (h 4096, ffn 16384, 32 heads) TP={tp}+SP FP8", layer,
+                   ["case", "ms", "speedup", "synced_ms", "host_ms"],
                    args.json.replace(".json", "_layer.json") if args.json else None)
         report(f"NCCL bus bandwidth, TP={tp} (bf16; {issue_mib} MiB is the AG rows' gathered input)", nccl,
                ["collective", "MiB", "ms", "algbw_GBps", "busbw_GBps"],

@@ -230,14 +230,12 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < 2:
         print("bench_p2p: needs two GPUs in this process", file=sys.stderr)
         return 2
-    from te_parallel import _native
+    from te_parallel.native import comm_overlap as native_comm
 
-    C = _native.load()
     rt = _cudart()
     _enable_peer_access(rt)
-    bf16 = 2  # te_parallel dtype code
 
-    # One GEMM per device to run beside the transfers: the FP8 row-parallel shape of issue 6's bench.
+    # One GEMM per device to run beside the transfers: the FP8 row-parallel shape of bench_overlap.py at TP=2.
     gemm = {}
     for d in (0, 1):
         a = torch.randn(8192, 6144, device=d).to(torch.float8_e4m3fn)
@@ -267,9 +265,9 @@ def main(argv=None) -> int:
 
         def sm(dst_dev: int, add: bool):
             src_dev = 1 - dst_dev
-            ins = [buf[src_dev].data_ptr()] + ([own[dst_dev].data_ptr()] if add else [])
+            ins = [buf[src_dev]] + ([own[dst_dev]] if add else [])  # the peer's buffer read in place
             s = comm[dst_dev]
-            return lambda: C.reduce_sum(ins, bf16, dst[dst_dev].data_ptr(), bf16, n, s.cuda_stream)
+            return lambda: native_comm.reduce_sum(ins, dst[dst_dev], s.cuda_stream)
 
         cases = {
             "CE push, one way": {"t0": ce(1, 0)},

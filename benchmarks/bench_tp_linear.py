@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_tp_linear.py [--tokens 8192] [--json out.json]
 
-Shape (issue 3): seq·batch = --tokens in total (each rank holds tokens/tp), hidden 4096 -> 12288
+Shape: seq·batch = --tokens in total (each rank holds tokens/tp), hidden 4096 -> 12288
 (each rank 6144 outputs). Rows: te bf16; te FP8 (delayed) gathering FP8 bytes (the default);
 te FP8 gathering bf16 then casting; plus the all-gather alone of the bf16 and the FP8 input.
 Rank 0 prints the table and writes JSON.
@@ -51,10 +51,9 @@ def main() -> None:
         rows.append({"case": name, "ms": ms})
 
     case("te bf16 (bf16 all-gather)", None)
-    # min_fp8_gemm=0: these rows compare FP8 paths, whatever the GEMM size
-    case("te fp8 delayed, FP8 all-gather", recipe.DelayedScaling(min_fp8_gemm=0))
-    case("te fp8 delayed, bf16 all-gather then cast", recipe.DelayedScaling(min_fp8_gemm=0), fp8_gather=False)
-    case("te fp8 current, FP8 all-gather", recipe.Float8CurrentScaling(min_fp8_gemm=0))
+    case("te fp8 delayed, FP8 all-gather", recipe.DelayedScaling())
+    case("te fp8 delayed, bf16 all-gather then cast", recipe.DelayedScaling(), fp8_gather=False)
+    case("te fp8 current, FP8 all-gather", recipe.Float8CurrentScaling())
     x_local = x.detach().reshape(-1, args.hidden)
     x_fp8 = x_local.to(torch.float8_e4m3fn)
     rows.append({"case": "all-gather alone, bf16 input", "ms": time_cuda(lambda: all_gather_dim0(x_local, group))})

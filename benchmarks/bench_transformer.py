@@ -1,19 +1,20 @@
-"""Seed TransformerLayer fwd+bwd: plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (+ CUDA graph).
+"""GPT TransformerLayer fwd+bwd: plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (+ CUDA graph).
 
     python benchmarks/bench_transformer.py [--hidden 4096 --ffn 16384 --heads 32 --seq 2048 --batch 4] [--json out.json]
 
 "ms": steps issued back to back (a training loop), the median of 5 rounds that each time every row
 (common.time_interleaved; the CUDA graph row is timed after them); "ms_synced": each step started on an
 idle GPU.
-Same run, same GPU, bf16 parameters, dropout 0.1 (the seed's settings), causal attention.
+Same run, same GPU, bf16 parameters, dropout 0.1, causal attention.
 Each step starts from cleared gradients (optimizer.zero_grad(set_to_none=True)), so no .grad
 accumulation is timed. Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd from cleared
 gradients and no FP8 weight copies, minus the memory held before it: it counts activations, every FP8
 copy the step makes (weights included) and the new gradients. held_GiB: what the step leaves allocated
 besides its gradients (the FP8 weight copies kept for the next forward).
 `--ablate` adds FP8 rows with one choice changed each (same run): the MLP activation's own FP8 casts
-switched off (te_parallel/ops/mlp.py), the forward GEMMs' accumulation flipped (ops/gemm.FPROP_FAST_ACCUM),
-the fused MLP backward in one piece instead of row chunks (ops/mlp.BWD_CHUNK_BYTES), the FP8 weights
+switched off (te_parallel/ops/mlp.py), the forward GEMMs with fast accumulation (the recipe's
+fp8_gemm_fprop=MMParams(use_split_accumulator=False), TE's choice), the fused MLP backward in one
+piece instead of row chunks (LayerNormMLP's bwd_chunk_bytes), the FP8 weights
 kept from forward to backward and for the next forward (is_first_microbatch=True, TE's micro-batch
 flag). The row with every FP8 GEMM through the non-default GEMM (torch._scaled_mm) is always there.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -29,12 +31,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import other_gemm_label, report, time_cuda, time_cuda_stream, time_interleaved, training_step  # noqa: E402
-from te_parallel import _native, recipe  # noqa: E402
+from common import (OTHER_GEMM_LABEL, report, time_cuda, time_cuda_stream, time_interleaved, training_step,  # noqa: E402
+                    with_torch_gemm)
+from te_parallel import recipe  # noqa: E402
+from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
 
 class TorchLayer(torch.nn.Module):
-    """The seed's plain-PyTorch GPT layer, attention through SDPA (flash)."""
+    """The GPT layer in plain PyTorch (the baseline of the te rows), attention through SDPA (flash)."""
 
     def __init__(self, h: int, ffn: int, heads: int) -> None:
         super().__init__()
@@ -73,10 +77,10 @@ def measure(name, step, rows, ms=None, base=None):
     return ms, synced
 
 
-def under(what: str, step):
-    """`step` run with switched_off(what) around each call (keeping its clear_grads / params helpers)."""
+def under(what: str, layer, step):
+    """`step` run with switched_off(what, layer) around each call (keeping its clear_grads / params helpers)."""
     def run():
-        with switched_off(what):
+        with switched_off(what, layer):
             step()
     run.clear_grads, run.params = step.clear_grads, step.params
     if hasattr(step, "drop_fp8_weights"):
@@ -85,18 +89,17 @@ def under(what: str, step):
 
 
 @contextlib.contextmanager
-def switched_off(what: str):
-    """One optimisation changed for an ablation row: "fused activation" off (the MLP activation in high
-    precision, each GEMM casting its input; ops/mlp.fp8_activation), "fprop accumulation" flipped
-    (fast ↔ exact; ops/gemm.FPROP_FAST_ACCUM), "mlp chunks" off (the MLP backward in one piece), or
-    "default GEMM" off (every FP8 GEMM through the other of te_parallel's cuBLASLt call and
-    torch._scaled_mm: ops/gemm.NATIVE_GEMM flipped)."""
-    from te_parallel.ops import gemm, mlp
+def switched_off(what: str, layer):
+    """One optimisation off for an ablation row: "fused activation" (the MLP activation in high
+    precision, each GEMM casting its input: ops/mlp.fp8_activation answers False), or "mlp chunks"
+    (the layer's MLP backward in one piece: its bwd_chunk_bytes made unbounded). The other ablations
+    are recipes (fast fprop accumulation, the torch._scaled_mm GEMM)."""
+    from te_parallel.ops import mlp
 
-    owner, name, value = {"fused activation": (mlp, "fp8_activation", lambda *args: False),
-                          "fprop accumulation": (gemm, "FPROP_FAST_ACCUM", not gemm.FPROP_FAST_ACCUM),
-                          "mlp chunks": (mlp, "BWD_CHUNK_BYTES", 1 << 62),
-                          "default GEMM": (gemm, "NATIVE_GEMM", not gemm.NATIVE_GEMM)}[what]
+    if what == "fused activation":
+        owner, name, value = mlp, "fp8_activation", lambda *args: False
+    else:
+        owner, name, value = layer.layernorm_mlp, "bwd_chunk_bytes", 1 << 62
     saved = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -121,13 +124,14 @@ def main() -> None:
              "te bf16": training_step(layer, x, dy),
              "te FP8 delayed": training_step(layer, x, dy, fp8),
              "te FP8 current": training_step(layer, x, dy, recipe.Float8CurrentScaling())}
-    if _native.gemm_usable():  # every FP8 GEMM through the non-default GEMM (ops/gemm.NATIVE_GEMM)
-        steps[f"te FP8 delayed, {other_gemm_label()}"] = under("default GEMM", training_step(layer, x, dy, fp8))
-    labels = {"fused activation": "fused activation off", "fprop accumulation": "fprop fast accumulation flipped",
-              "mlp chunks": "MLP backward in one piece"}
+    if gemm_kernels.usable():  # every FP8 GEMM through torch._scaled_mm instead of te_parallel's cuBLASLt call
+        steps[f"te FP8 delayed, {OTHER_GEMM_LABEL}"] = training_step(layer, x, dy, with_torch_gemm(fp8))
+    labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece"}
     for what, label in labels.items() if a.ablate else ():
-        steps[f"te FP8 delayed, {label}"] = under(what, training_step(layer, x, dy, fp8))
+        steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8))
     if a.ablate:
+        fast = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=False))
+        steps["te FP8 delayed, fprop fast accumulation"] = training_step(layer, x, dy, fast)
         steps["te FP8 delayed, FP8 weights kept (is_first_microbatch=True)"] = \
             training_step(layer, x, dy, fp8, is_first_microbatch=True)
     # every row in each of 5 rounds (no row gains from its place in the sequence)

@@ -1,6 +1,7 @@
 """Timing helpers for the GPU benchmarks: CUDA events, warm-up, median of many runs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -151,23 +152,14 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def other_gemm_label() -> str:
-    """The FP8 GEMM that the library does not use by default (ops.gemm.NATIVE_GEMM): a benchmark's
-    comparison row."""
-    from te_parallel.ops import gemm
-
-    return "torch._scaled_mm GEMM" if gemm.NATIVE_GEMM else "native GEMM"
+# The comparison row of an FP8 benchmark: every FP8 GEMM through torch._scaled_mm instead of
+# te_parallel's own cuBLASLt call (the recipes' default MMParams(backend="native")).
+OTHER_GEMM_LABEL = "torch._scaled_mm GEMM"
 
 
-def with_other_gemm(call: Callable[[], None]) -> Callable[[], None]:
-    """`call` with every FP8 GEMM through the other GEMM (other_gemm_label) than the default."""
-    from te_parallel.ops import gemm
+def with_torch_gemm(rec):
+    """`rec` (a recipe) with every FP8 GEMM issued by torch._scaled_mm (MMParams(backend="torch"))."""
+    from te_parallel import recipe
 
-    def run():
-        saved = gemm.NATIVE_GEMM
-        gemm.NATIVE_GEMM = not saved
-        try:
-            call()
-        finally:
-            gemm.NATIVE_GEMM = saved
-    return run
+    mm = recipe.MMParams(backend="torch")
+    return dataclasses.replace(rec, fp8_gemm_fprop=mm, fp8_gemm_dgrad=mm, fp8_gemm_wgrad=mm)

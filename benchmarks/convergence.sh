@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Convergence runs of the main job on a 2-GPU machine (issue 7). Logs under $OUT/<run>/log.json.
+# Convergence runs of the main job on a 2-GPU machine (docs/convergence.md). Logs under $OUT/<run>/log.json.
 # Phase 1 and 2 run two single-GPU jobs side by side (one per GPU); phase 3 is TP=2 + SP over both.
 set -u
 OUT=${OUT:-runs/convergence}

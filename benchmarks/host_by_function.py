@@ -1,4 +1,4 @@
-"""Host time per te_parallel function in the TP seed-layer step, NCCL vs comm-GEMM overlap.
+"""Host time per te_parallel function in the TP GPT-layer step, NCCL vs comm-GEMM overlap.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/host_by_function.py [--batch 4] [--top 70]
 
@@ -24,15 +24,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from bench_overlap import seed_layer_step  # noqa: E402
+from bench_overlap import gpt_layer_step  # noqa: E402
 from common import init_torchrun_nccl  # noqa: E402
 
-MODULES = ["te_parallel._native", "te_parallel.fp8.autocast", "te_parallel.module.attention",
+MODULES = ["te_parallel.native", "te_parallel.native.activation", "te_parallel.native.cast",
+           "te_parallel.native.comm_overlap", "te_parallel.native.gemm", "te_parallel.native.norm",
+           "te_parallel.native.scaling", "te_parallel.fp8.autocast", "te_parallel.module.attention",
            "te_parallel.module.base", "te_parallel.module.layernorm_linear", "te_parallel.module.layernorm_mlp",
            "te_parallel.module.linear", "te_parallel.module.multi_head_attention", "te_parallel.module.transformer",
            "te_parallel.ops.attention", "te_parallel.ops.cast", "te_parallel.ops.fp8_gemm_config",
            "te_parallel.ops.gemm", "te_parallel.ops.linear", "te_parallel.ops.linear_overlap", "te_parallel.ops.mlp",
-           "te_parallel.ops.native_activation", "te_parallel.ops.native_norm", "te_parallel.ops.norm",
+           "te_parallel.ops.activation", "te_parallel.ops.norm",
            "te_parallel.parallel.collectives", "te_parallel.parallel.ub_transport"]
 TOTALS: dict = defaultdict(lambda: [0.0, 0])  # label -> [seconds, calls]
 
@@ -86,7 +88,7 @@ def main() -> None:
     rank, tp, group = init_torchrun_nccl()
     ub = te.initialize_ub([2048 * args.batch, 4096], group, use_fp8=True, dtype=torch.bfloat16)
     for case, extra in (("NCCL", {}), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub))):
-        _, step = seed_layer_step(group, tp, args.batch, extra)
+        _, step = gpt_layer_step(group, tp, args.batch, extra)
         for _ in range(5):
             step()
         torch.cuda.synchronize()

@@ -1,8 +1,8 @@
-"""Where the seed layer's FP8 step reaches its peak memory: allocated and peak at each backward node.
+"""Where the GPT layer's FP8 step reaches its peak memory: allocated and peak at each backward node.
 
     python benchmarks/memory_by_node.py [--recipe delayed|current|bf16]
 
-Seed TransformerLayer (h 4096, ffn 16384, 32 heads, s 2048 × b 4, bf16 params), FP8 DelayedScaling
+The GPT TransformerLayer (h 4096, ffn 16384, 32 heads, s 2048 × b 4, bf16 params), FP8 DelayedScaling
 (or the recipe given), with the MLP as one Function (ops/mlp.py: FP8 activation casts, backward in row chunks) and as
 separate Functions. Each step starts with cleared gradients
 and no FP8 weight copies; the memory before it is the zero. Printed for the third step: memory

@@ -1,4 +1,4 @@
-"""Where the GPU time of the TP seed-layer step goes: NCCL vs comm-GEMM overlap vs no communication.
+"""Where the GPU time of the TP GPT-layer step goes: NCCL vs comm-GEMM overlap vs no communication.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/profile_layer_kernels.py [--batch 8] [--steps 5]
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from bench_overlap import _LocalTransfer, _NoTransfer, seed_layer_step  # noqa: E402
+from bench_overlap import _LocalTransfer, _NoTransfer, gpt_layer_step  # noqa: E402
 from common import init_torchrun_nccl, report  # noqa: E402
 
 GEMM_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "wgmma")
@@ -150,10 +150,10 @@ def main() -> None:
     ub = te.initialize_ub([2048 * a.batch, 4096], group, use_fp8=True, dtype=torch.bfloat16)
     cases = [("NCCL", {}, contextlib.nullcontext), ("overlap", dict(ub_tp_comm_overlap=True, ub_comm=ub),
              contextlib.nullcontext), ("no communication, unwritten", {}, _NoTransfer),
-             ("no communication, written locally (floor)", {}, _LocalTransfer)]
+             ("no communication at all, written locally", {}, _LocalTransfer)]
     rows, tops, all_gaps = [], [], []
     for name, extra, ctx in cases:
-        _, step = seed_layer_step(group, tp, a.batch, extra)
+        _, step = gpt_layer_step(group, tp, a.batch, extra)
         with ctx():
             row, top, gaps = profile_case(step, a.steps, rank)
         rows.append({"case": name, **row})
@@ -162,19 +162,19 @@ def main() -> None:
         del step
         torch.cuda.empty_cache()
     if rank == 0:
-        floor_gemm = rows[3]["gemm_ms"]
+        no_comm_gemm = rows[3]["gemm_ms"]
         for r in rows:
-            r["gemm_vs_floor"] = r["gemm_ms"] / floor_gemm
+            r["gemm_vs_no_comm"] = r["gemm_ms"] / no_comm_gemm
             # what the step would take with every NCCL kernel hidden and nothing else changed
             r["bound_speedup"] = rows[0]["step_ms"] / (rows[0]["step_ms"] - rows[0]["nccl_exposed_ms"])
-        report(f"TP={tp} seed layer b={a.batch}, FP8, per step, rank 0 (CUDA kernel time by class; sm_busy = union "
-               f"of SM kernels)", rows, ["case", "step_ms", "sm_busy_ms", "sm_idle_ms", "gemm_ms", "gemm_vs_floor",
+        report(f"TP={tp} GPT layer b={a.batch}, FP8, per step, rank 0 (CUDA kernel time by class; sm_busy = union "
+               f"of SM kernels)", rows, ["case", "step_ms", "sm_busy_ms", "sm_idle_ms", "gemm_ms", "gemm_vs_no_comm",
                                          "nccl_ms", "nccl_exposed_ms", "attention_ms", "other_ms", "copy_ms"],
                None)
-        nccl_step, floor_step = rows[0]["step_ms"], rows[3]["step_ms"]
+        nccl_step, no_comm_step = rows[0]["step_ms"], rows[3]["step_ms"]
         print(f"\nbound on the overlap's speedup: NCCL step / (NCCL step - exposed NCCL) = "
-              f"{rows[0]['bound_speedup']:.3f}; NCCL step / floor step = {nccl_step / floor_step:.3f}, or "
-              f"{nccl_step / (floor_step - rows[3]['copy_ms']):.3f} without the floor's local copies")
+              f"{rows[0]['bound_speedup']:.3f}; NCCL step / no-communication step = {nccl_step / no_comm_step:.3f}, or "
+              f"{nccl_step / (no_comm_step - rows[3]['copy_ms']):.3f} without its local copies")
         for name, top in tops:
             print(f"\ntop kernels, {name} (ms per step, launches per step)")
             for cls, kname, ms, n in top:

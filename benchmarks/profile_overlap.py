@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/profile_overlap.py [--batch 4] [--steps 10] [--out DIR]
 
 Builds the layer of `bench_overlap.py --layer` (hidden 4096, ffn 16384, 32 heads, s 2048 × b, TP+SP,
-FP8 DelayedScaling(min_fp8_gemm=0), fwd+bwd) twice: plain NCCL collectives, and ub_tp_comm_overlap=True
+FP8 DelayedScaling(), fwd+bwd) twice: plain NCCL collectives, and ub_tp_comm_overlap=True
 with the communicator made as bench_overlap.main makes it. For each case, after a warm-up:
   timing   --steps steps back to back, three times: host issue time per step (perf_counter, no
            synchronisation inside the loop) beside the GPU time per step (CUDA events around the loop);
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from bench_overlap import seed_layer_step  # noqa: E402
+from bench_overlap import gpt_layer_step  # noqa: E402
 from common import init_torchrun_nccl, max_over_ranks  # noqa: E402
 
 HIDDEN, FFN, HEADS, SEQ = 4096, 16384, 32, 2048
@@ -221,7 +221,7 @@ def main() -> None:
          f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}")
     results, profiles = {}, {}
     for name, extra in [("nccl", {}), ("overlap", {"ub_tp_comm_overlap": True, "ub_comm": ub})]:
-        layer, step = seed_layer_step(group, tp, args.batch, extra)
+        layer, step = gpt_layer_step(group, tp, args.batch, extra)
         for _ in range(args.warmup):
             step()
         torch.cuda.synchronize()

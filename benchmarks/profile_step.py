@@ -123,7 +123,7 @@ def _span_and_covered(spans):
 def host_profile(kind: str, args) -> list:
     """cProfile of 8 steps: where the host's issue time goes (the GPU is kept ahead by a sleep). More steps
     would fill CUDA's launch queue (~1000 launches) behind the sleep, and the launch that finds it full
-    would wait for the GPU and take the blame (20 steps of the seed layer did: 0.9 s in one cast)."""
+    would wait for the GPU and take the blame (20 steps of the GPT layer did: 0.9 s in one cast)."""
     import cProfile
     import pstats
 

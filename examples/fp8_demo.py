@@ -59,9 +59,8 @@ def main() -> None:
     ap.add_argument("--recipe", choices=["delayed", "current", "off"], default="delayed")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    # min_fp8_gemm=0: FP8 even at this demo's small GEMMs (the default runs those in bf16 on a GPU)
-    recipes = {"delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, min_fp8_gemm=0),
-               "current": recipe.Float8CurrentScaling(min_fp8_gemm=0), "off": None}
+    recipes = {"delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16),
+               "current": recipe.Float8CurrentScaling(), "off": None}
     print(f"training on {args.device} with FP8 recipe: {args.recipe}")
     final = train(recipes[args.recipe], args.steps, args.device, log=True)
     baseline = train(None, args.steps, args.device, log=False)

@@ -3,7 +3,7 @@
     import te_parallel as te
     from te_parallel.common import recipe
 """
-from te_parallel import _native, recipe
+from te_parallel import native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
 from te_parallel.fp8.recompute import checkpoint
 from te_parallel.convert import LLAMA_TP_PLAN, convert
@@ -20,12 +20,12 @@ from te_parallel.module import (
     TransformerLayer,
     apply_rotary_pos_emb,
 )
-from te_parallel.parallel.overlap import CommOverlap, initialize_ub
+from te_parallel.parallel.overlap import CommOverlap, OverlapConfig, initialize_ub
 from te_parallel.parallel.random import CudaRNGStatesTracker
 
 __version__ = "0.1.0"
 
-_native.load()  # import the compiled kernels now; warns once here if they were not built
+native.available()  # import the compiled kernels now; warns once here if they were not built
 
 __all__ = [
     "Linear",
@@ -41,6 +41,7 @@ __all__ = [
     "CudaRNGStatesTracker",
     "initialize_ub",
     "CommOverlap",
+    "OverlapConfig",
     "checkpoint",
     "make_graphed_callables",
     "convert",

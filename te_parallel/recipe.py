@@ -2,7 +2,8 @@
 
 `te_parallel.recipe` is also importable as `te_parallel.common.recipe` (TE's path).
 
-Recipes are frozen, keyword-only dataclasses (STYLE.md 6). Two families:
+Recipes are frozen, keyword-only dataclasses (configuration is explicit: docs/architecture.md).
+Two families:
 
 * `DelayedScaling`: the scale of each tensor is derived from a history of amaxes (absolute maxima)
   recorded in earlier passes; the current pass quantizes with the scale computed at the end of the
@@ -19,7 +20,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Recipe", "FormatPair"]
+__all__ = ["Format", "MMParams", "DelayedScaling", "Float8CurrentScaling", "Recipe", "FormatPair"]
 
 
 class FormatPair(NamedTuple):
@@ -59,29 +60,55 @@ AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torch.Tensor]
 
 
-# GEMMs smaller than this (M·K·N, on CUDA) run in the activation dtype instead of FP8 when a recipe
-# leaves `min_fp8_gemm` at None: there the casts, the extra launches and the host work cost more than
-# the FP8 GEMM saves. Measured with benchmarks/bench_linear.py --sweep on an H200 (docs/benchmarks.md,
-# "Small GEMMs"): FP8 fwd+bwd loses 2.5x at every size up to 6.9e10 (4096^3) and wins from 1.37e11
-# (8192x4096x4096) inside a model, where the host runs ahead of the GPU. CPU runs (FP8 emulation, for
-# development and tests) are never switched.
-DEFAULT_MIN_FP8_GEMM = 10**11
+GEMM_BACKENDS = ("native", "torch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MMParams:
+    """How one FP8 GEMM of a linear layer runs (TE's name; a recipe holds one per GEMM).
+
+    use_split_accumulator: True promotes the tensor cores' partial sums to fp32 registers at
+    intervals along K (cuBLASLt's default, the more exact sum); False is cuBLASLt's FAST_ACCUM.
+    TE runs the forward GEMM with False. Here every GEMM defaults to True: on H100/H200 the fast
+    accumulation did not make the forward GEMMs of a transformer layer faster (docs/benchmarks.md),
+    so the more exact sum costs nothing.
+    backend: "native" issues the GEMM through te_parallel's own cuBLASLt call (cached plans, about
+    half the host time of torch._scaled_mm); "torch" through torch._scaled_mm. Both run cuBLASLt's
+    FP8 kernels. A GEMM that adds a C matrix in its epilogue (comm-GEMM overlap) always takes the
+    native call where it is usable. Without the compiled extension both mean torch._scaled_mm.
+    """
+
+    use_split_accumulator: bool = True
+    backend: str = "native"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_split_accumulator, bool):
+            raise TypeError(f"MMParams.use_split_accumulator must be a bool, got {self.use_split_accumulator!r}")
+        if self.backend not in GEMM_BACKENDS:
+            raise ValueError(f"MMParams.backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
+
+    @property
+    def fast_accum(self) -> bool:
+        return not self.use_split_accumulator
 
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Base class of the recipes.
 
-    min_fp8_gemm: a GEMM whose M·K·N is below this runs in the activation dtype (bf16/fp16), not FP8,
-    on CUDA: FP8 only pays where the GEMM is large enough to hide the casts and launches. None: the
-    measured default `DEFAULT_MIN_FP8_GEMM`; 0: every GEMM in FP8 (TE's behaviour).
+    fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: how the forward, data-gradient and
+    weight-gradient GEMMs run (MMParams).
+    min_fp8_gemm: 0 (the default, as in TE): under fp8_autocast every GEMM runs in FP8. A positive
+    value M·K·N lets smaller GEMMs on CUDA run in the activation dtype (bf16/fp16) instead, where the
+    casts and launches cost more than FP8 saves; an opt-in, since the break-even depends on the GPU
+    and on how far the host runs ahead of it (benchmarks/bench_linear.py --sweep measures it).
     """
 
     fp8_format: Format = Format.HYBRID
-    min_fp8_gemm: Optional[int] = None
-
-    def min_gemm(self) -> int:
-        return DEFAULT_MIN_FP8_GEMM if self.min_fp8_gemm is None else self.min_fp8_gemm
+    fp8_gemm_fprop: MMParams = MMParams()
+    fp8_gemm_dgrad: MMParams = MMParams()
+    fp8_gemm_wgrad: MMParams = MMParams()
+    min_fp8_gemm: int = 0
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -90,12 +117,16 @@ class Recipe:
         return isinstance(self, Float8CurrentScaling)
 
     def __post_init__(self) -> None:
-        if self.min_fp8_gemm is not None and not (isinstance(self.min_fp8_gemm, int) and self.min_fp8_gemm >= 0):
-            raise ValueError(f"min_fp8_gemm must be None or an int >= 0 (M·K·N), got {self.min_fp8_gemm!r}")
+        if not (isinstance(self.min_fp8_gemm, int) and not isinstance(self.min_fp8_gemm, bool)
+                and self.min_fp8_gemm >= 0):
+            raise ValueError(f"min_fp8_gemm must be an int >= 0 (M·K·N; 0: every GEMM in FP8), got {self.min_fp8_gemm!r}")
         if not isinstance(self.fp8_format, Format):
             raise TypeError(
                 f"fp8_format must be a te_parallel.recipe.Format (E4M3, E5M2, HYBRID), got {self.fp8_format!r}"
             )
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not isinstance(getattr(self, name), MMParams):
+                raise TypeError(f"{name} must be a te_parallel.recipe.MMParams, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ import torch
 import te_parallel as te
 from te_parallel import recipe
 from te_parallel.module import layernorm_mlp
+from te_parallel.native import activation as native_act
 from te_parallel.ops import mlp as mlp_ops
 
 STEPS = 3
@@ -120,7 +121,7 @@ def test_which_recipes_cast_in_the_activation(rec, device, monkeypatch):
         _, n = _steps(mlp, x, dy, rec, True, monkeypatch)
     assert n == STEPS and len(casts) == (STEPS if rec is not None and rec.delayed() else 0)
     # current scaling with the kernels (CUDA): the activation's amax pass, then its FP8 pass
-    current_with_kernels = rec is not None and not rec.delayed() and mlp_ops._native("gelu", x)
+    current_with_kernels = rec is not None and not rec.delayed() and native_act.usable("gelu", x)
     assert len(two_pass) == (STEPS if current_with_kernels else 0)
 
 
@@ -170,14 +171,14 @@ def test_backward_twice_with_retain_graph(rec, device):
 def test_backward_in_row_chunks_equals_unfused(chunk_rows, activation, rec, device, monkeypatch):
     """fc2's dgrad output made and consumed a row chunk at a time (48 tokens: 3 chunks of 16, or 32 + 16)
     gives the unfused gradients; the chunks really ran."""
-    mlp = te.LayerNormMLP(64, 96, activation=activation, params_dtype=torch.bfloat16, device=device)
+    mlp = te.LayerNormMLP(64, 96, activation=activation, params_dtype=torch.bfloat16, device=device,
+                          bwd_chunk_bytes=chunk_rows * 96 * 2)  # fc2's input is 96 wide, bf16
     x = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
     dy = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
     twin = copy.deepcopy(mlp)
     chunks = []
     fp8_act = rec is not None and rec.delayed()
     with monkeypatch.context() as mp:
-        mp.setattr(mlp_ops, "BWD_CHUNK_BYTES", chunk_rows * 96 * 2)  # fc2's input is 96 wide, bf16
         if fp8_act:
             real = mlp_ops.GemmFP8.cast_dactivation_rows
             mp.setattr(mlp_ops.GemmFP8, "cast_dactivation_rows",

@@ -1,8 +1,10 @@
-"""The native extension builds and imports on a machine without a GPU (CPU CI, DESIGN.md §6).
+"""The native extension builds and imports on a machine without a GPU (CPU CI).
 
 Where nvcc is on PATH (and TE_PARALLEL_SKIP_NATIVE is unset), `pip install -e .` must have built
 te_parallel._C with cudart linked statically, so it imports with no driver and no libcudart.so.
-Argument checks of the C API run before any CUDA call, so they are testable here too.
+Argument checks of the C API run before any CUDA call, so they are testable here too (this file and
+tests/test_native_norm.py call the extension itself for that; te_parallel's own code reaches it only
+through te_parallel.native).
 """
 import importlib
 import os
@@ -13,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from te_parallel import _native
+from te_parallel import native
+from te_parallel.native import scaling as native_scaling
 
 
 def _native_expected_reason():
@@ -85,22 +88,26 @@ def test_launch_without_gpu_raises_cuda_error(C):
 
 @needs_native
 def test_wrapper_rejects_cpu_tensors():
-    assert _native.available()
+    assert native.available()
     hist, scale, scale_inv = torch.rand(4, 2), torch.rand(2), torch.rand(2)
+    assert not native_scaling.usable([(hist, scale, scale_inv)])  # CPU states take the torch update
     with pytest.raises(ValueError, match="amax_history is \\(4, 2\\) torch.float32 .* on cpu"):
-        _native.fused_delayed_scaling_update([(hist, scale, scale_inv)], fp8_max=448.0,
-                                             scale_divisor=1.0, algo="max", update_scale=True)
+        native_scaling.fused_delayed_scaling_update([(hist, scale, scale_inv)], fp8_max=448.0,
+                                                    scale_divisor=1.0, algo="max", update_scale=True)
+    with pytest.raises(ValueError, match="algo='mean'; need one of \\('max', 'most_recent'\\)"):
+        native_scaling.fused_delayed_scaling_update([], fp8_max=448.0, scale_divisor=1.0, algo="mean",
+                                                    update_scale=True)
 
 
 def test_missing_extension_warns_once(monkeypatch):
     """Without _C, load() returns None and warns exactly once per process."""
     monkeypatch.setitem(sys.modules, "te_parallel._C", None)  # makes the import fail
-    monkeypatch.setattr(_native, "_module", None)
-    monkeypatch.setattr(_native, "_load_attempted", False)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_load_attempted", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert _native.load() is None
-        assert not _native.available()
-    absent = [w for w in caught if issubclass(w.category, _native.NativeKernelsAbsentWarning)]
+        assert native.load() is None
+        assert not native.available()
+    absent = [w for w in caught if issubclass(w.category, native.NativeKernelsAbsentWarning)]
     assert len(absent) == 1, [str(w.message) for w in caught]
     assert "native kernels are absent" in str(absent[0].message)

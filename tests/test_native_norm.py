@@ -1,13 +1,15 @@
-"""Native norm wrappers on any machine: their one-line argument errors, the C API's own checks, the
-fp64 backward references, and that CPU inputs keep the PyTorch path (GPU numerics:
+"""Native norm wrappers (te_parallel.native.norm) on any machine: their one-line argument errors, the C
+API's own checks, the fp64 backward references, the rule that picks the kernels (FP8 outputs only), the
+autograd plumbing of te_parallel.ops.norm over them and its PyTorch fallback (GPU numerics:
 tests/gpu/test_norm_kernel.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from te_parallel import _native
-from te_parallel.ops import native_norm as nn_
+from te_parallel import native
+from te_parallel.native import norm as nn_
 from te_parallel.ops import norm as norm_ops
+from te_parallel.ops.cast import quantize
 from tests.reference import rel_err
 
 ONE_LINE = r"^[a-z_]+: [^\n]+; need [^\n]+$"
@@ -29,7 +31,7 @@ def test_wrappers_reject_x_with_one_line(x):
 
 def test_c_api_checks_arguments_itself():
     """The kernels' own checks (for non-Python callers) need no GPU: they run before any CUDA call."""
-    module = _native.load()
+    module = native.load()
     if module is None:
         pytest.skip("te_parallel._C is absent (built without nvcc)")
     with pytest.raises(RuntimeError, match=r"tep_norm_fwd: norm_type = 5; need TEP_LAYERNORM \(0\) or TEP_RMSNORM \(1\)"):
@@ -62,9 +64,49 @@ def test_bwd_references_match_torch_autograd(zero_centered):
 
 def test_cpu_inputs_keep_the_pytorch_path():
     x, w = torch.randn(3, 8, requires_grad=True), torch.ones(8, requires_grad=True)
-    assert not norm_ops._use_native(x, w, None)
+    assert not nn_.usable(x, w, None)
     y = norm_ops.layer_norm(x, w, None, 1e-5)
     assert "NormFunction" not in str(y.grad_fn.next_functions) and "NormFunction" not in type(y.grad_fn).__name__
+
+
+def test_high_precision_norm_never_asks_the_kernels(monkeypatch):
+    """The rule is fixed: a high-precision norm is torch's even where the kernels could run (they were
+    measured slower); only the FP8 entry points ask native.norm.usable."""
+    asked = []
+    monkeypatch.setattr(nn_, "usable", lambda *a: asked.append(a) or True)
+    x, w, b = torch.randn(3, 8, requires_grad=True), torch.ones(8), torch.zeros(8)
+    for y in (norm_ops.layer_norm(x, w, b, 1e-5), norm_ops.rms_norm(x, w, 1e-5),
+              norm_ops.apply_norm("LayerNorm", x, w, b, 1e-5, True)):
+        assert "NormFunction" not in type(y.grad_fn).__name__
+    assert asked == []
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_fp8_entry_points_fall_back_to_torch(norm):
+    """Where the kernels cannot run (CPU here) layer_norm_fp8 / rms_norm_fp8 quantize torch's norm, whose
+    output is the carrier: gradients reach x, weight and bias through it."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 16), torch.randn(16), torch.randn(16)
+    xa, wa, ba = (t.clone().requires_grad_(True) for t in (x, w, b))
+    scale = torch.tensor(8.0)
+    xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
+    if norm == "LayerNorm":
+        y8, carrier = norm_ops.layer_norm_fp8(xa, wa, ba, 1e-5, True, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+        y = norm_ops.layer_norm(x, w, b, 1e-5, True)
+        ref = norm_ops.layer_norm_reference(xr, wr, br, 1e-5, True)
+    else:
+        y8, carrier = norm_ops.rms_norm_fp8(xa, wa, 1e-5, True, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+        y = norm_ops.rms_norm(x, w, 1e-5, True)
+        ref = norm_ops.rms_norm_reference(xr, wr, 1e-5, True)
+    q = quantize(y.reshape(6, 16), scale, torch.float8_e4m3fn, transpose=True)
+    assert torch.equal(y8.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(y8.data_t.view(torch.uint8), q.data_t.view(torch.uint8)) and y8.scale_inv.item() == 0.125
+    assert carrier.shape == (6, 16) and carrier.requires_grad and rel_err(carrier.detach(), ref.reshape(6, 16)) < 1e-5
+    dy = torch.randn(6, 16)
+    (carrier * dy).sum().backward()
+    ref.reshape(6, 16).backward(dy.double())
+    assert rel_err(xa.grad, xr.grad) < 1e-5 and rel_err(wa.grad, wr.grad) < 1e-5
+    assert ba.grad is None if norm == "RMSNorm" else rel_err(ba.grad, br.grad) < 1e-5
 
 
 def test_autograd_plumbing_with_reference_kernels(monkeypatch):
@@ -74,7 +116,7 @@ def test_autograd_plumbing_with_reference_kernels(monkeypatch):
 
     def fwd(norm, x, gamma, beta, eps, zc, fp8, out_dtype):
         xd = x.double()
-        if norm == 0:
+        if norm == "layer_norm":
             mu, y = xd.mean(-1), norm_ops.layer_norm_reference(x, gamma, beta, eps, zc)
             rs = 1 / torch.sqrt(((xd - mu[:, None]) ** 2).mean(-1) + eps)
         else:
@@ -88,15 +130,16 @@ def test_autograd_plumbing_with_reference_kernels(monkeypatch):
         return out, None if mu is None else mu.float(), rs.float()
 
     def bwd(norm, dy, x, mu, rs, gamma, zc, with_dbeta):
-        if norm == 0:
+        if norm == "layer_norm":
             beta = torch.zeros_like(gamma) if with_dbeta else None
             dx, dg, db = norm_ops.layer_norm_bwd_reference(dy, x, gamma, beta, 1e-5, zc)
         else:
             (dx, dg), db = norm_ops.rms_norm_bwd_reference(dy, x, gamma, 1e-5, zc), None
         return dx.to(x.dtype), dg.to(gamma.dtype), None if db is None else db.to(gamma.dtype)
 
-    monkeypatch.setattr(nn_, "_fwd", fwd)
-    monkeypatch.setattr(nn_, "_bwd", bwd)
+    monkeypatch.setattr(nn_, "forward", fwd)
+    monkeypatch.setattr(nn_, "backward", bwd)
+    monkeypatch.setattr(nn_, "usable", lambda *a: True)  # the CPU tensors take the "kernels" above
     x, w, b = torch.randn(2, 3, 8), torch.randn(8), torch.randn(8)
     dy = torch.randn(2, 3, 8)
     xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
@@ -104,18 +147,20 @@ def test_autograd_plumbing_with_reference_kernels(monkeypatch):
     for variant in ("hp", "fp8"):
         xa, wa, ba = (t.clone().requires_grad_(True) for t in (x, w, b))
         if variant == "hp":
-            y = nn_.layer_norm(xa, wa, ba, 1e-5)
+            y = norm_ops.native_layer_norm(xa, wa, ba, 1e-5)
             assert y.shape == x.shape
             y.backward(dy)
         else:
-            y8, carrier = nn_.layer_norm_fp8(xa, wa, ba, 1e-5, scale=torch.tensor(4.0), fp8_dtype=torch.float8_e4m3fn)
+            y8, carrier = norm_ops.layer_norm_fp8(xa, wa, ba, 1e-5, scale=torch.tensor(4.0),
+                                                  fp8_dtype=torch.float8_e4m3fn)
             assert y8.data.shape == (6, 8) and y8.data_t.shape == (8, 6) and not y8.data.requires_grad
             assert carrier.shape == (6, 8) and carrier.stride() == (0, 0) and y8.scale_inv.item() == 0.25
             (carrier * dy.reshape(6, 8)).sum().backward()
         for got, ref in ((xa, xr), (wa, wr), (ba, br)):
             assert rel_err(got.grad, ref.grad) < 1e-6, variant
     xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y8, carrier = nn_.rms_norm_fp8(xa, wa, 1e-5, scale=torch.tensor(1.0), fp8_dtype=torch.float8_e5m2, transpose=False)
+    y8, carrier = norm_ops.rms_norm_fp8(xa, wa, 1e-5, scale=torch.tensor(1.0), fp8_dtype=torch.float8_e5m2,
+                                        transpose=False)
     assert y8.data_t is None
     (carrier * dy.reshape(6, 8)).sum().backward()
     xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from te_parallel.ops import linear_overlap as ov
-from te_parallel.ops.linear_overlap import RS_MIN_PIECE_ROWS, RS_PIECES, RS_PIECES_SHORT_K, RS_SHORT_K, rs_pieces
+from te_parallel.parallel.overlap_config import OverlapConfig
 from te_parallel.parallel.ub_transport import row_pieces
 
 
@@ -25,15 +25,28 @@ def test_row_pieces_cover_the_rows_in_16_row_steps(m, pieces):
 
 
 def test_rs_pieces_only_at_tp2_and_for_long_chunks():
-    assert rs_pieces(2, 4096) == RS_PIECES == 2
-    assert rs_pieces(2, 4096, k=RS_SHORT_K) == 2  # K at or above RS_SHORT_K: compute-bound pieces
-    assert rs_pieces(2, 4096, k=RS_SHORT_K - 16) == RS_PIECES_SHORT_K == 4  # copy-bound: smaller pieces
-    assert rs_pieces(2, 3 * RS_MIN_PIECE_ROWS, k=2048) == 3  # never a piece under RS_MIN_PIECE_ROWS rows
+    cfg = OverlapConfig()
+    rs_pieces, short_k, min_rows = cfg.rs_pieces_for, cfg.rs_short_k, cfg.rs_min_piece_rows
+    assert rs_pieces(2, 4096) == cfg.rs_pieces == 2
+    assert rs_pieces(2, 4096, k=short_k) == 2  # K at or above rs_short_k: compute-bound pieces
+    assert rs_pieces(2, 4096, k=short_k - 16) == cfg.rs_pieces_short_k == 4  # copy-bound: smaller pieces
+    assert rs_pieces(2, 3 * min_rows, k=2048) == 3  # never a piece under rs_min_piece_rows rows
     assert rs_pieces(4, 4096, k=2048) == 1
-    assert rs_pieces(2, 2 * RS_MIN_PIECE_ROWS) == 2
-    assert rs_pieces(2, RS_MIN_PIECE_ROWS) == 1  # one piece: the unpieced schedule (fp32 sum pass)
+    assert rs_pieces(2, 2 * min_rows) == 2
+    assert rs_pieces(2, min_rows) == 1  # one piece: the unpieced schedule (fp32 sum pass)
     assert rs_pieces(4, 4096) == rs_pieces(8, 4096) == 1
     assert row_pieces(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    small = OverlapConfig(rs_pieces=4, rs_min_piece_rows=16)  # a config is passed, not a global rewritten
+    assert small.rs_pieces_for(2, 64, k=8192) == 4 and OverlapConfig().rs_pieces_for(2, 64, k=8192) == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="ring"), "method"), (dict(rs_pieces=0), "rs_pieces"), (dict(rs_min_piece_rows=True), "rs_min_piece_rows"),
+    (dict(native_schedule=1), "native_schedule"),
+])
+def test_bad_overlap_config(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        OverlapConfig(**kwargs)
 
 
 def test_native_operands_picks_what_tep_gemm_takes():
@@ -122,7 +135,7 @@ def test_gemm_rs_issues_each_pull_after_the_gemm_that_follows_it(tp, me, k):
     assert pulls and readies and max(readies) < max(gemms)
     if tp == 2:  # pieces: every GEMM for the peer and its signal come before the first pull
         peer_gemms = [i for i in gemms if log[i][1] is None]
-        assert len(peer_gemms) == rs_pieces(tp, m, k)
+        assert len(peer_gemms) == OverlapConfig().rs_pieces_for(tp, m, k)
         assert max(peer_gemms) < min(pulls) and max(readies) < min(pulls)
         # piece j of the own partial is pulled right before the own GEMM that adds it
         own = [i for i in gemms if log[i][1] == "own"]

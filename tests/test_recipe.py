@@ -20,8 +20,11 @@ def test_alias_and_defaults():
     assert R.Format.HYBRID.fwd_dtype == torch.float8_e4m3fn and R.Format.HYBRID.bwd_dtype == torch.float8_e5m2
     assert R.Format.E4M3.bwd_dtype == torch.float8_e4m3fn and R.Format.E5M2.fwd_dtype == torch.float8_e5m2
     assert R.Float8CurrentScaling().fp8_format == R.Format.HYBRID
-    assert d.min_fp8_gemm is None and d.min_gemm() == R.DEFAULT_MIN_FP8_GEMM
-    assert R.Float8CurrentScaling(min_fp8_gemm=0).min_gemm() == 0
+    assert d.min_fp8_gemm == 0 and R.Float8CurrentScaling().min_fp8_gemm == 0  # every GEMM in FP8, as TE
+    for r in (d, R.Float8CurrentScaling()):  # every GEMM with the exact accumulation, through the native call
+        assert r.fp8_gemm_fprop == r.fp8_gemm_dgrad == r.fp8_gemm_wgrad == R.MMParams()
+    assert R.MMParams().use_split_accumulator and R.MMParams().backend == "native"
+    assert R.MMParams(use_split_accumulator=False).fast_accum
     with pytest.raises(Exception):
         d.margin = 1  # frozen
 
@@ -31,10 +34,19 @@ def test_alias_and_defaults():
     (dict(amax_compute_algo="mean"), "amax_compute_algo"), (dict(fp8_format="E4M3"), "fp8_format"),
     (dict(scaling_factor_compute_algo=3), "scaling_factor_compute_algo"),
     (dict(min_fp8_gemm=-1), "min_fp8_gemm"), (dict(min_fp8_gemm=1.5), "min_fp8_gemm"),
+    (dict(min_fp8_gemm=None), "min_fp8_gemm"), (dict(fp8_gemm_fprop=True), "fp8_gemm_fprop"),
 ])
 def test_bad_recipe_args(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         R.DelayedScaling(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backend="cublas"), "backend must be one of"), (dict(use_split_accumulator=1), "use_split_accumulator"),
+])
+def test_bad_mm_params(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        R.MMParams(**kwargs)
 
 
 def _state(hist_rows, scale=1.0):

@@ -1,5 +1,5 @@
 // Bindings of the bias + activation kernels (csrc/include/te_parallel/activation.h). Pointers and the
-// stream arrive as integers (0 = absent); te_parallel/ops/native_activation.py checks the tensors.
+// stream arrive as integers (0 = absent); te_parallel/native/activation.py checks the tensors.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -64,6 +64,18 @@ void dbias_dactivation(int act, std::uintptr_t dy, std::uintptr_t x, std::uintpt
 }  // namespace
 
 void bind_activation(pybind11::module_& m) {
+  py::dict codes;  // tep_activation codes by TE's activation names
+  codes["gelu"] = static_cast<int>(TEP_ACT_GELU);
+  codes["relu"] = static_cast<int>(TEP_ACT_RELU);
+  codes["silu"] = static_cast<int>(TEP_ACT_SILU);
+  codes["qgelu"] = static_cast<int>(TEP_ACT_QGELU);
+  codes["srelu"] = static_cast<int>(TEP_ACT_SRELU);
+  codes["geglu"] = static_cast<int>(TEP_ACT_GEGLU);
+  codes["reglu"] = static_cast<int>(TEP_ACT_REGLU);
+  codes["swiglu"] = static_cast<int>(TEP_ACT_SWIGLU);
+  codes["qgeglu"] = static_cast<int>(TEP_ACT_QGEGLU);
+  codes["sreglu"] = static_cast<int>(TEP_ACT_SREGLU);
+  m.attr("ACTIVATIONS") = codes;
   m.def("activation_is_gated", &tep_activation_is_gated, py::arg("act"),
         "1 if the tep_activation code is gated (x has 2F columns, the output F), 0 if not, -1 if unknown.");
   m.def("bias_activation_fwd", &bias_activation_fwd, py::arg("act"), py::arg("x"), py::arg("bias"),

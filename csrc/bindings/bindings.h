@@ -19,6 +19,8 @@ T* ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+void bind_cast(pybind11::module_& m);        // cast.cpp: FP8 cast (+ transpose, amax, dbias), FP8 transpose
+void bind_scaling(pybind11::module_& m);     // scaling.cpp: the fused delayed-scaling update
 void bind_norm(pybind11::module_& m);        // norm.cpp: LayerNorm / RMSNorm kernels
 void bind_activation(pybind11::module_& m);  // activation.cpp: bias + activation kernels
 void bind_comm_overlap(pybind11::module_& m);  // comm_overlap.cpp: csrc/comm_gemm_overlap

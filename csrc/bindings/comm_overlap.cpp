@@ -1,4 +1,5 @@
-// Bindings of csrc/comm_gemm_overlap (te_parallel/parallel/overlap.py is the Python side).
+// Bindings of csrc/comm_gemm_overlap (te_parallel/native/comm_overlap.py wraps them; the protocol's
+// Python side is te_parallel/parallel/ub_transport.py).
 //
 // The communicator is a Python object owning a tep_comm*; the bootstrap all-gather is a Python
 // callable bytes -> bytes (every rank's bytes concatenated in rank order), called with the GIL held.

@@ -1,5 +1,5 @@
 // Binding of tep_gemm (csrc/include/te_parallel/gemm.h). Pointers and the stream arrive as
-// integers (0 = absent); te_parallel/_native.py checks the tensors. The GIL stays held: the call only
+// integers (0 = absent); te_parallel/native/gemm.py checks the tensors. The GIL stays held: the call only
 // enqueues work, and releasing and re-taking it would cost more host time than the call itself.
 #include <pybind11/pybind11.h>
 

@@ -1,6 +1,6 @@
 // Bindings of the LayerNorm / RMSNorm kernels (C API: csrc/include/te_parallel/norm.h).
 //
-// Pointers arrive as integers (0 = NULL) from te_parallel/ops/native_norm.py, which checks the
+// Pointers arrive as integers (0 = NULL) from te_parallel/native/norm.py, which checks the
 // tensors; the GIL is released around the launches.
 #include <pybind11/pybind11.h>
 
@@ -64,6 +64,10 @@ void norm_bwd(int norm_type, long long rows, long long hidden, bool zero_centere
 void bind_norm(py::module_& m) {
   m.attr("LAYERNORM") = static_cast<int>(TEP_LAYERNORM);
   m.attr("RMSNORM") = static_cast<int>(TEP_RMSNORM);
+  py::dict types;  // tep_norm_type codes by the Python functions' names
+  types["layer_norm"] = static_cast<int>(TEP_LAYERNORM);
+  types["rms_norm"] = static_cast<int>(TEP_RMSNORM);
+  m.attr("NORM_TYPES") = types;
   m.def("norm_fwd", &norm_fwd, py::arg("norm_type"), py::arg("rows"), py::arg("hidden"), py::arg("eps"),
         py::arg("zero_centered_gamma"), py::arg("gamma"), py::arg("beta"), py::arg("w_dtype"), py::arg("x"),
         py::arg("x_dtype"), py::arg("out"), py::arg("out_dtype"), py::arg("scale"), py::arg("out_t"),

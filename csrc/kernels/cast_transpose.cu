@@ -1,4 +1,5 @@
-// FP8 cast with fused transpose and amax: one read of the source, two FP8 writes (DESIGN.md §3).
+// FP8 cast with fused transpose and amax: one read of the source, two FP8 writes (the FP8 transposes come
+// from the casts, never from a separate pass: docs/architecture.md).
 //
 // Blocks of 128 threads over 64x128 tiles; each thread converts an 8x8 sub-tile (8 16-byte loads of
 // a 2-byte input in flight), writes its 8 rows with 8-byte stores, transposes the 8x8 FP8 bytes in

@@ -20,7 +20,7 @@ constexpr int kWarps = kThreads / 32;
 // Each thread holds this many history elements in registers across the roll's barrier.
 constexpr int kRollItemsPerThread = 4;
 // The states travel by value in the kernel's parameters, which every CUDA version and architecture
-// we target caps at 4 KB: 96 states x 32 B = 3 KB. Longer lists are split into several launches.
+// we build for caps at 4 KB: 96 states x 32 B = 3 KB. Longer lists are split into several launches.
 constexpr int kMaxStatesPerLaunch = 96;
 
 struct StateBatch {
@@ -30,7 +30,7 @@ struct StateBatch {
 struct UpdateParams {
   float fp8_max;
   float scale_divisor;
-  int amax_algo;  // 0: max over history, 1: most recent (row 0)
+  int amax_algo;  // tep_amax_algo: TEP_AMAX_MAX over history, TEP_AMAX_MOST_RECENT (row 0)
   int update_scale;
 };
 
@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(kThreads)
   const int n = s.num_tensors;
   if (p.update_scale) {  // amax feeds only the scale: without an update it is not needed
     for (int j = 0; j < n; ++j) {
-      const float amax = p.amax_algo == 0 ? column_amax(s.amax_history, L, n, j, warp_max)
-                                          : s.amax_history[j];
+      const float amax = p.amax_algo == TEP_AMAX_MAX ? column_amax(s.amax_history, L, n, j, warp_max)
+                                                     : s.amax_history[j];
       if (threadIdx.x == 0) update_scale_entry(amax, s.scale, s.scale_inv, j, p);
     }
   }
@@ -134,7 +134,7 @@ tep_status validate(const tep_scaling_state* states, int num_states, float fp8_m
     tep::set_error("%s: states is NULL with num_states = %d", fn, num_states);
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  if (amax_algo != 0 && amax_algo != 1) {
+  if (amax_algo != TEP_AMAX_MAX && amax_algo != TEP_AMAX_MOST_RECENT) {
     tep::set_error("%s: amax_algo = %d; need 0 (max over history) or 1 (most recent)", fn,
                    amax_algo);
     return TEP_ERROR_INVALID_ARGUMENT;

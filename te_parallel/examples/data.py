@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 VOCAB = 256
+VAL_FRACTION = 0.05
+MIN_CORPUS_BYTES = 1 << 16
 
 
-def load_corpus(max_bytes: int) -> torch.Tensor:
+def load_corpus(max_bytes: int, sources: Optional[List[Tuple[int, str]]] = None) -> torch.Tensor:
+    """The text as int64 byte values; `sources`, when given, receives (offset, file) of every file used."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -26,21 +29,34 @@ def load_corpus(max_bytes: int) -> torch.Tensor:
             data = path.read_bytes()
         except OSError:
             continue
+        if sources is not None:
+            sources.append((total, path.relative_to(root).as_posix()))
         chunks.append(data)
         total += len(data)
         if total >= max_bytes:
             break
-    if total < 1 << 16:
+    if total < MIN_CORPUS_BYTES:
         raise RuntimeError(f"found only {total} bytes of Python sources under {root}; need at least 64 KiB of text")
     blob = b"".join(chunks)[:max_bytes]
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int64)
 
 
 class ByteData:
-    def __init__(self, max_bytes: int, seq_len: int, val_fraction: float = 0.05) -> None:
-        tokens = load_corpus(max_bytes)
+    def __init__(self, max_bytes: int, seq_len: int, val_fraction: float = VAL_FRACTION) -> None:
+        sources: List[Tuple[int, str]] = []
+        tokens = load_corpus(max_bytes, sources)
         split = int(len(tokens) * (1 - val_fraction))
         self.train, self.val, self.seq_len = tokens[:split], tokens[split:], seq_len
+        # the files the validation text comes from (the tail of the sorted list, not a random sample)
+        self.val_files = [name for i, (_, name) in enumerate(sources)
+                          if (sources[i + 1][0] if i + 1 < len(sources) else len(tokens)) > split]
+
+    def describe_val(self) -> str:
+        """'encodings/cp860.py … encodings/cp866.py (7 files)': where the validation text comes from."""
+        files = self.val_files
+        if len(files) <= 2:
+            return " and ".join(files)
+        return f"{files[0]} … {files[-1]} ({len(files)} files)"
 
     def batch(self, gen: torch.Generator, batch: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Random windows: ids and next-byte targets, both [seq, batch] (the layers' "sbhd" layout)."""

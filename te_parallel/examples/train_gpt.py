@@ -1,16 +1,17 @@
-"""Train a byte-level GPT on Python's standard library with tensor (+sequence) and data parallelism.
+"""Train a byte-level GPT on Python's standard library with tensor (+sequence) and data parallelism, in FP8.
 
-    python examples/train_gpt.py                      # 2 ranks on the CPU (gloo): TP=2, SP, FP8 delayed
+    python examples/train_gpt.py                      # the GPUs (one process each), else 2 CPU processes
     torchrun --nproc-per-node=8 examples/train_gpt.py --tp 4 --layers 6 --hidden 512 --steps 2000
     NP=2 launch/mpirun.sh examples/train_gpt.py --tp 2
 
-Without a launcher it starts --nproc processes itself. world = tp × dp; ranks [k·tp, (k+1)·tp) form
-a TP group. Writes <out>/log.json (config, per-step loss, tokens/s, validation loss) and
-<out>/loss.png; --save DIR checkpoints every --save-every steps, --resume DIR continues exactly.
+Without a launcher it starts the processes itself: one per GPU, or 2 on the CPU (--nproc). world =
+tp x dp; ranks [k*tp, (k+1)*tp) form a TP group. It prints one line with the layout it chose, trains
+with a progress bar, and ends with a line naming every file it wrote: <out>/log.json (config, per-step
+loss, tokens/s, validation loss), <out>/loss.png, and with --save DIR a checkpoint that --resume DIR
+continues exactly.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -21,54 +22,31 @@ import torch.distributed as dist
 
 import te_parallel as te
 from te_parallel import recipe
+from te_parallel.examples.checks import check_numbers, check_sizes
+from te_parallel.examples.cli import CliError, build_parser, fail
 from te_parallel.examples.data import VOCAB, ByteData
 from te_parallel.examples.gpt import GPT, GPTConfig
+from te_parallel.examples.layout import Launch, describe, plan_layout
+from te_parallel.examples.runs import CONFIG, check_resume, checkpoint_config, choose_out, choose_save, written_files
 from te_parallel.examples.world import World, destroy, init_world, run_world
 from te_parallel.parallel.random import CudaRNGStatesTracker, model_parallel_seed
 
-# min_fp8_gemm=0: every GEMM in FP8 even at this example's small sizes, where the default would run
-# them in bf16 on a GPU (Recipe.min_fp8_gemm): the example exists to train with FP8.
-RECIPES = {"off": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=16, min_fp8_gemm=0),
-           "current": lambda: recipe.Float8CurrentScaling(min_fp8_gemm=0)}
+RECIPES = {"off": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=16),
+           "current": lambda: recipe.Float8CurrentScaling()}
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--fp8", choices=list(RECIPES), default="delayed")
-    ap.add_argument("--overlap", action="store_true",
-                    help="comm-GEMM overlap of the TP all-gathers/reduce-scatters (needs --tp > 1 and sequence parallel)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--corpus-bytes", type=int, default=4 << 20)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--nproc", type=int, default=2, help="processes to start when not under a launcher")
-    ap.add_argument("--out", default="runs/gpt")
-    ap.add_argument("--save", default=None)
-    ap.add_argument("--save-every", type=int, default=100)
-    ap.add_argument("--resume", default=None)
-    ap.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this many steps of this run")
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    if args.overlap and (args.tp < 2 or not args.sequence_parallel):
-        ap.error(f"--overlap needs --tp > 1 and sequence parallelism (got --tp {args.tp}, "
-                 f"sequence_parallel={args.sequence_parallel})")
+def prepare(args, launch: Launch):
+    """Checks every argument and settles the layout, --out and --save, starting nothing; returns
+    (layout, notes) or raises CliError."""
+    check_numbers(args)
+    layout = plan_layout(args, launch)
+    args.tp, args.nproc, args.device = layout.tp, layout.nproc, layout.device
     args.ffn = args.ffn or 4 * args.hidden
-    return args
+    check_sizes(args, layout.tp, layout.nproc, layout.world_fixed, layout.what, layout.can_add)
+    notes = check_resume(args, layout.nproc, launch.launched)
+    out_note = choose_out(args)
+    choose_save(args)
+    return layout, notes + ([out_note] if out_note else [])
 
 
 def lr_at(step: int, args) -> float:
@@ -133,8 +111,12 @@ class Trainer:
                 "tracker": self.tracker.get_states()}
 
     def save(self, directory: str) -> None:
+        """rank<r>.pt per process, and config.json (sizes, settings, step) that --resume checks first."""
         Path(directory).mkdir(parents=True, exist_ok=True)
         torch.save(self.state(), Path(directory) / f"rank{self.world.rank}.pt")
+        if self.world.rank == 0:
+            cfg = checkpoint_config(self.args, self.world.size, self.step)
+            (Path(directory) / CONFIG).write_text(json.dumps(cfg, indent=1))
         dist.barrier()
 
     def load(self, directory: str) -> None:
@@ -171,7 +153,7 @@ def train(args, world: World) -> list:
             rec["val_loss"] = last_val = t.evaluate()
         t.log.append(rec)
         if evaluate and world.rank == 0:
-            write_log(args, world, t.log)  # a killed run still leaves its curve so far
+            write_log(args, world, t.log, t.data)  # a killed run still leaves its curve so far
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}",
@@ -181,28 +163,45 @@ def train(args, world: World) -> list:
     if bar is not None:
         bar.close()
     if world.rank == 0:
-        write_outputs(args, world, t.log)
+        write_outputs(args, world, t.log, t.data)
+        if t.step < args.steps:
+            print(f"train_gpt: stopped at step {t.step} of {args.steps} (--stop-after {args.stop_after}); saved the "
+                  f"checkpoint to {args.save}: continue with --resume {args.save}", flush=True)
     return t.log
 
 
-def write_log(args, world: World, log: list) -> Path:
+def write_log(args, world: World, log: list, data: ByteData) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(vars(args)) | {"world": world.size, "tp": world.tp, "dp": world.dp, "device": str(world.device)}
     if world.device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(world.device)
-    (out / "log.json").write_text(json.dumps({"config": config, "log": log}, indent=1))
+    record = {"config": config, "validation_files": data.val_files, "log": log}
+    (out / "log.json").write_text(json.dumps(record, indent=1))
     return out
 
 
-def write_outputs(args, world: World, log: list) -> None:
-    out = write_log(args, world, log)
+def val_note(args, data: ByteData) -> str:
+    """Why the validation curve can sit below the training one (on the plot, and after the summary)."""
+    dropout = f" with dropout {args.dropout}," if args.dropout else ""
+    return (f"validation is the held-out last 5% of the text ({data.describe_val()}), not a random sample: it sits "
+            f"below train when those files are easier to predict than the training mix (train: each step's "
+            f"batch,{dropout} before its update)")
+
+
+def write_outputs(args, world: World, log: list, data: ByteData) -> None:
+    out = write_log(args, world, log, data)
+    note = val_note(args, data)
     if not args.no_plot:
         from te_parallel.examples.plot import plot_runs
-        plot_runs({f"fp8={args.fp8} tp={world.tp}": log}, out / "loss.png")
+        plot_runs({f"fp8 {args.fp8}, tp={world.tp} dp={world.dp}": log}, out / "loss.png", note=note)
     vals = [r["val_loss"] for r in log if "val_loss" in r] or [float("nan")]
-    print(f"train_gpt: {len(log)} steps, loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, "
-          f"val {vals[0]:.3f} -> {vals[-1]:.3f}; wrote {out / 'log.json'}")
+    recent = [r["loss"] for r in log[-max(1, min(20, len(log) // 10)):]]  # the end of the run, not its start
+    train_end = sum(recent) / len(recent)
+    print(f"train_gpt: {len(log)} steps; train loss {log[0]['loss']:.3f} -> {train_end:.3f} (mean of the last "
+          f"{len(recent)} steps), validation {vals[0]:.3f} -> {vals[-1]:.3f}", flush=True)
+    if vals[-1] < train_end:
+        print(f"train_gpt: {note}", flush=True)
 
 
 def worker(args) -> None:
@@ -214,8 +213,20 @@ def worker(args) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    parser = build_parser(__doc__)
+    args = parser.parse_args(argv)
+    launch = Launch.from_env()
+    try:
+        layout, notes = prepare(args, launch)
+    except CliError as error:
+        fail(parser, error, launch.speaks)
+    if launch.leader:
+        print(describe(args, layout), flush=True)
+        for note in notes:
+            print(f"train_gpt: {note}", flush=True)
     run_world(worker, args, args.nproc, args.device)
+    if launch.leader:
+        print(written_files(args, layout.nproc), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Semantics (TE's):
   region exits (one coalesced amax all-reduce over each fp8 group, then one fused update), and
   backward scales once when the backward pass ends (an autograd engine callback).
 
-The region stack is the one piece of dynamic state of the library (DESIGN.md §1); it is
-per-thread, like torch.autocast's.
+The region stack is the one piece of dynamic state of the library (groups, recipes and FP8 states
+are passed in, never looked up: docs/architecture.md); it is per-thread, like torch.autocast's.
 """
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import torch
 import torch.utils.checkpoint
 
 from te_parallel.fp8 import autocast as _autocast
-from te_parallel.ops.fp8_gemm_config import GemmFP8
 
 
 class _Stash:
@@ -27,13 +26,14 @@ class _Stash:
         self.entries: deque = deque()
         self.replaying = False
 
-    def record(self, cfg: GemmFP8) -> None:
-        scale = cfg.state.fwd_scale.clone() if cfg.delayed else None
-        self.entries.append((scale, cfg.weight))
+    def record(self, scale: Optional[torch.Tensor], weight) -> None:
+        """One FP8 GEMM of the original pass, in call order: its forward scales (delayed scaling; a
+        copy of the state's, taken before the exit update changes them) and its quantized weight."""
+        self.entries.append((None if scale is None else scale.clone(), weight))
 
-    def replay(self, module, gemm: int, frame, group) -> GemmFP8:
-        scale, weight = self.entries.popleft()
-        return GemmFP8(frame.recipe, module.fp8_state, gemm, weight, frame.enabled, group, fwd_scale=scale, record=False)
+    def replay(self):
+        """(forward scales, quantized weight) of the next FP8 GEMM of the recompute, in call order."""
+        return self.entries.popleft()
 
     @contextlib.contextmanager
     def recording(self):

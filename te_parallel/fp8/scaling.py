@@ -9,7 +9,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from te_parallel import _native
+from te_parallel.native import scaling as native_scaling
 from te_parallel.recipe import DelayedScaling
 
 StateTensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (amax_history [L, n], scale [n], scale_inv [n])
@@ -85,8 +85,8 @@ def update_delayed_scaling(
         algo=recipe.amax_compute_algo,
         update_scale=update_scale,
     )
-    if states[0][0].is_cuda and _native.available():
-        _native.fused_delayed_scaling_update(list(states), **kwargs)
+    if native_scaling.usable(states):
+        native_scaling.fused_delayed_scaling_update(list(states), **kwargs)
         return
     for hist, scale, scale_inv in states:
         update_delayed_scaling_torch(hist, scale, scale_inv, **kwargs)

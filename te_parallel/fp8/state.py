@@ -43,7 +43,8 @@ class FP8ScalingState(nn.Module):
         self.register_buffer("update_count", torch.zeros(2, dtype=torch.int64, device=device))
         # The counts live on the host (`interval` needs them every step) and are written into the
         # buffer only when a state dict is taken: a device write per update was a launch at the end of
-        # every pass and, in the host profile of the seed layer, where the host waited for the GPU.
+        # every pass and, in the host profile of the GPT layer (hidden 4096, ffn 16384, 32 heads, s2048 b4),
+        # where the host waited for the GPU.
         self._count_host = [0, 0]
         # (backward, slot) -> (history, scale, scale view, amax cell view): the per-cast look-ups of
         # `slot_views`, valid while the buffers are the same tensor objects (every update is in place).

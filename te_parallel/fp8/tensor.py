@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from te_parallel import _native
+from te_parallel.native import cast as native_cast
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Float8Tensor:
 
     `data` is the row-major FP8 matrix [rows, cols]; `data_t` (when asked for) is its transpose
     stored contiguously [cols, rows]. cuBLASLt FP8 GEMMs only take the "TN" layout (A row-major,
-    B column-major), so dgrad and wgrad read the transposed copies (DESIGN.md §3).
+    B column-major), so dgrad and wgrad read the transposed copies (te_parallel/ops/gemm.py).
     `scale_inv` is the fp32 scalar the bytes were encoded with (decoded value = data * scale_inv);
     it travels with the bytes, so a cached tensor stays valid after the module's scale moves on.
     `scale` (weights only) is a snapshot of the encoding scale itself: re-encoding the same source
@@ -40,8 +40,8 @@ class Float8Tensor:
         torch's strided FP8 copy runs at a fraction of the bandwidth)."""
         if self.data_t is None:
             d = self.data
-            if d.is_cuda and d.is_contiguous() and d.numel() > 0 and _native.available():
-                self.data_t = _native.transpose_fp8(d)
+            if native_cast.usable(d):
+                self.data_t = native_cast.transpose_fp8(d)
             else:
                 self.data_t = d.t().contiguous()
         return self.data_t

@@ -1,7 +1,13 @@
-"""What every GEMM module shares: parameter creation, FP8 state, the quantized-weight cache."""
+"""What the modules share: device/dtype resolution and input checks; FP8Module (FP8 state, the quantized
+weight cache, the FP8 plan of each GEMM); GemmModule, the base of Linear, LayerNormLinear and
+LayerNormMLP (tensor-parallel split of each GEMM, its comm-GEMM overlap settings, the forward of one
+GEMM); and the norm pieces of the LayerNorm* modules. The parameters themselves are in params.py.
+"""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import functools
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -9,16 +15,22 @@ from torch import nn
 from te_parallel.fp8 import autocast as _autocast
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.module.params import LinearParams, cat_params
+from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.fp8_gemm_config import GemmFP8
+from te_parallel.ops.linear import LinearFunction, LinearParallel
+from te_parallel.ops.norm import apply_norm, check_normalization
+from te_parallel.parallel.collectives import all_reduce_grad
+from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
+from te_parallel.parallel.overlap import CommOverlap, OverlapConfig
 from te_parallel.parallel.overlap import initialize_ub  # noqa: F401  (TE's te.module.base.initialize_ub)
 
 DeviceLike = Union[str, torch.device, None]
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-DEFAULT_INIT_STD = 0.023  # TE's default init: N(0, 0.023²)
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
-    """None means CUDA when available, else CPU (DESIGN.md §2)."""
+    """None means CUDA when available, else CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -29,10 +41,6 @@ def resolve_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
     if dtype not in PARAM_DTYPES:
         raise ValueError(f"params_dtype must be one of {PARAM_DTYPES}, got {params_dtype}")
     return dtype
-
-
-def default_init(weight: torch.Tensor) -> None:
-    nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
 
 
 def check_features(name: str, **dims: int) -> None:
@@ -46,6 +54,15 @@ def activation_dtype(module_dtype: torch.dtype, device: torch.device) -> torch.d
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return module_dtype
+
+
+def check_hidden_states(owner: str, x, layout: str, what: str = "hidden_states") -> None:
+    """x must be [seq, batch, hidden] (layout "sbhd") or [batch, seq, hidden] ("bshd")."""
+    if isinstance(x, torch.Tensor) and x.dim() != 3:
+        dims = "[seq, batch, hidden]" if layout == "sbhd" else "[batch, seq, hidden]"
+        hint = "x.unsqueeze(1)" if layout == "sbhd" else "x.unsqueeze(0)"
+        raise ValueError(f"{owner}: {what} must be 3-D {dims} (layout {layout!r}), got shape {tuple(x.shape)}; "
+                         f"for a single sequence add the batch dim, e.g. {hint}")
 
 
 def check_input(name: str, inp: torch.Tensor, features: int) -> None:
@@ -105,23 +122,29 @@ class FP8Module(nn.Module):
         """The FP8 plan of GEMM number `gemm` this call (None outside FP8 / calibration)."""
         if frame is None:
             return None
-        stash = _autocast.checkpoint_stash()
-        if stash is not None and stash.replaying:
-            return stash.replay(self, gemm, frame, self._fp8_group(frame))
-        if frame.enabled and weight.dtype == torch.float64:
-            raise TypeError(f"{type(self).__name__}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64")
         recipe, group = frame.recipe, self._fp8_group(frame)
         state = self._modules["fp8_state"]  # (not nn.Module.__getattr__: this runs on every forward)
-        if recipe.delayed():
+        delayed = recipe.delayed()
+        # delayed scaling: each backward cast asks for the backward scale update at the end of backward
+        done = functools.partial(_autocast.record_backward, state, recipe, group) if delayed else None
+        stash = _autocast.checkpoint_stash()
+        if stash is not None and stash.replaying:  # te.checkpoint's recompute: the original pass's scales, W
+            scale, weight_q = stash.replay()
+            return GemmFP8(recipe, state, gemm, weight_q, frame.enabled, group, fwd_scale=scale, record=False,
+                           backward_done=done)
+        if frame.enabled and weight.dtype == torch.float64:
+            raise TypeError(f"{type(self).__name__}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64; "
+                            f"convert the module with .to(torch.float32) or run it outside fp8_autocast")
+        if delayed:
             state.ensure_history_len(recipe.amax_history_len)
             _autocast.record_forward(state, recipe, group)
-        cfg = GemmFP8(recipe, state, gemm, None, frame.enabled, group)
+        cfg = GemmFP8(recipe, state, gemm, None, frame.enabled, group, backward_done=done)
         if frame.enabled:
             cfg.weight = self._cached_weight(cfg, params, weight, is_first_microbatch, weight_amax_group)
         else:
             cfg.record_weight_amax(weight)
         if stash is not None:
-            stash.record(cfg)
+            stash.record(state.fwd_scale if delayed else None, cfg.weight)
         return cfg
 
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
@@ -132,7 +155,7 @@ class FP8Module(nn.Module):
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]
         # Wᵀ (for dgrad) is made in backward, not here: emitted by this cast it sits in memory through
-        # the whole forward, 1.501 instead of 1.376 GiB of the seed layer's peak on an H200 (+9%), to
+        # the whole forward, 1.501 instead of 1.376 GiB of the GPT layer's peak on an H200 (+9%), to
         # save ~0.13 ms of transposes (docs/benchmarks.md). Nor is it kept here after that backward.
         with torch.no_grad():
             w_q = cfg.quantize_weight(weight.detach(), amax_group)
@@ -152,54 +175,169 @@ class FP8Module(nn.Module):
         return w_q
 
 
-class _NoopCat(torch.autograd.Function):
-    """Concatenate split parameters along dim 0; no copy while they are adjacent views of one buffer.
+class GemmModule(FP8Module, TensorParallelMixin):
+    """Base of Linear, LayerNormLinear and LayerNormMLP: how each of their GEMMs is split over the TP
+    group (`_linear_parallel`) and run (`_gemm_plan`, `_linear_forward`)."""
 
-    backward splits the gradient back into the parts.
+    def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor, ub: Optional[UbSettings] = None,
+                         scatter_rows: Optional[int] = None) -> LinearParallel:
+        """scatter_rows: the rows a row-parallel GEMM's output will have before its reduce-scatter under SP
+        (default: inp's dim 0; a LayerNormMLP's fc2 gets the gathered sequence, tp × its local input)."""
+        if not self._tp_checked:
+            self._check_tp_ready(inp.device)
+        fp8_gather = getattr(self, "fp8_all_gather", True)
+        # The same settings give the same (frozen) LinearParallel: made once, not per call.
+        key = (mode, self.tp_group, self.sequence_parallel, fp8_gather, ub)
+        cache = self.__dict__.setdefault("_par_cache", {})
+        par = cache.get(key)
+        if par is None:
+            if ub is None:
+                par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather)
+            else:
+                ub.comm.check_group(type(self).__name__, self.tp_group)
+                par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop,
+                                     ub.dgrad, ub.rs_dgrad)
+            if len(cache) > 8:  # a module whose group keeps changing: keep only the latest
+                cache.clear()
+            cache[key] = par
+        if par.active and mode == "row" and par.sequence_parallel and inp.dim() > 1:
+            check_scatter_dim(type(self).__name__, inp.shape[0] if scatter_rows is None else scatter_rows, self.tp_size)
+        return par
+
+    def _gemm_plan(self, params: LinearParams, gemm: int, inp: torch.Tensor, is_first_microbatch, frame,
+                   par: LinearParallel, in_tokens: Optional[int] = None):
+        """(weight, bias, LinearFunction plan) of GEMM number `gemm` for an input like `inp` ([..., K]; or
+        any tensor on the input's device with the token count given as `in_tokens`)."""
+        weights = params.weights(self)
+        weight, bias = cat_params(weights), params.bias(self)
+        if in_tokens is None:
+            in_tokens = inp.numel() // max(inp.shape[-1], 1)
+        if frame is not None and below_fp8_size(frame, inp.is_cuda, in_tokens, weight.shape[1], weight.shape[0], par):
+            frame = None  # a GEMM below the recipe's min_fp8_gemm runs in high precision
+        fp8 = self._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
+        targets = params.wgrad_targets(self) if self.fuse_wgrad_accumulation else None
+        return weight, bias, (fp8, targets, par, torch.is_grad_enabled())
+
+    def _linear_forward(self, params: LinearParams, gemm: int, inp: torch.Tensor, is_first_microbatch, frame,
+                        add_bias: bool = True, par: LinearParallel = LinearParallel()):
+        """Run GEMM number `gemm` on `inp`; returns (out, bias-or-None)."""
+        weight, bias, plan = self._gemm_plan(params, gemm, inp, is_first_microbatch, frame, par)
+        if plan[0] is None and plan[1] is None and not par.active:
+            return torch_linear(inp, weight, bias, add_bias), bias
+        out = LinearFunction.apply(inp, weight, bias if add_bias else None, plan)
+        return out, bias
+
+
+def check_parallel_mode(owner: str, parallel_mode) -> None:
+    if parallel_mode not in (None, "column", "row"):
+        raise ValueError(f"{owner}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
+
+
+@dataclass(frozen=True)
+class UbSettings:
+    """Comm-GEMM overlap of one GEMM of a module: the communicator and the OverlapConfig of each pass
+    that overlaps (None: that pass runs its plain collective)."""
+
+    comm: CommOverlap
+    fprop: Optional[OverlapConfig]
+    dgrad: Optional[OverlapConfig]
+    rs_dgrad: bool = False  # column: dx reduce-scattered pipelined with dgrad, not under wgrad
+
+
+def overlap_settings(owner: str, mode: Optional[str], sequence_parallel: bool, ub_comm, ub_name: Optional[str],
+                     fprop: bool, dgrad: bool, rs_dgrad: bool = False) -> Optional[UbSettings]:
+    """Validates the ub_* arguments of one GEMM; None when nothing overlaps.
+
+    fprop: column AG+GEMM / row GEMM+RS requested; dgrad: row AG+dgrad / column bulk backward requested;
+    rs_dgrad (column): the backward's reduce-scatter pipelined with dgrad (ub_overlap_rs_dgrad).
+    The communicator's OverlapConfig of each GEMM (ub_cfgs' "<ub_name>_<fprop|dgrad>" entry) can switch it off.
     """
-
-    @staticmethod
-    def forward(ctx, *parts: torch.Tensor):
-        ctx.sizes = [p.shape[0] for p in parts]
-        first = parts[0].detach()
-        if _are_adjacent(parts):
-            return first.as_strided((sum(ctx.sizes), *first.shape[1:]), first.stride(), first.storage_offset())
-        return torch.cat([p.detach() for p in parts])
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(torch.split(grad, ctx.sizes))
-
-
-def _are_adjacent(parts: Sequence[torch.Tensor]) -> bool:
-    base = parts[0]
-    offset = base.storage_offset()
-    for p in parts:
-        same = p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        if not (same and p.is_contiguous() and p.storage_offset() == offset):
-            return False
-        offset += p.numel()
-    return True
+    if not (fprop or dgrad):
+        return None
+    if ub_comm is None:
+        raise ValueError(f"{owner}: comm-GEMM overlap was requested (ub_*=True) but no ub_comm was given; pass "
+                         f"ub_comm=te_parallel.initialize_ub(shape, tp_group, ...)")
+    if not isinstance(ub_comm, CommOverlap):
+        raise TypeError(f"{owner}: ub_comm must be the object returned by initialize_ub, got {type(ub_comm).__name__}")
+    if mode is None or not sequence_parallel:
+        raise ValueError(f"{owner}: comm-GEMM overlap needs parallel_mode 'column'/'row' with sequence_parallel=True "
+                         f"(got parallel_mode={mode!r}, sequence_parallel={sequence_parallel})")
+    fprop_cfg, dgrad_cfg = ub_comm.config(ub_name, "fprop"), ub_comm.config(ub_name, "dgrad")
+    fprop_cfg = fprop_cfg if fprop and fprop_cfg.enabled else None
+    dgrad_cfg = dgrad_cfg if dgrad and dgrad_cfg.enabled else None
+    return UbSettings(ub_comm, fprop_cfg, dgrad_cfg, dgrad_cfg is not None and rs_dgrad and mode == "column")
 
 
-def cat_params(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else _NoopCat.apply(*parts)
+def local_features(owner: str, in_features: int, out_features: int, parallel_mode, tp_size: int):
+    """This rank's (in, out): column splits out_features, row splits in_features."""
+    if parallel_mode == "column":
+        return in_features, check_divisible(owner, "out_features", out_features, tp_size)
+    if parallel_mode == "row":
+        return check_divisible(owner, "in_features", in_features, tp_size), out_features
+    return in_features, out_features
 
 
-def split_sizes(total: int, parameters_split, owner: str) -> List[Tuple[str, int]]:
-    """TE's parameters_split: None, names (equal split) or {name: size}, as [(prefix, size)]."""
-    if parameters_split is None:
-        return [("", total)]
-    if isinstance(parameters_split, dict):
-        items = list(parameters_split.items())
-    elif isinstance(parameters_split, (list, tuple)) and parameters_split:
-        if total % len(parameters_split):
-            raise ValueError(
-                f"{owner}: out_features={total} is not divisible into {len(parameters_split)} equal splits {tuple(parameters_split)}"
-            )
-        items = [(name, total // len(parameters_split)) for name in parameters_split]
-    else:
-        raise ValueError(f"{owner}: parameters_split must be None, a tuple of names or a dict name->size, got {parameters_split!r}")
-    if sum(size for _, size in items) != total:
-        raise ValueError(f"{owner}: parameters_split sizes {dict(items)} add up to {sum(s for _, s in items)}, not out_features={total}")
-    return [(str(name).rstrip("_") + "_", int(size)) for name, size in items]
+def mark_sequence_parallel(module: nn.Module, names) -> None:
+    """Megatron's marker on parameters whose gradient is partial per rank under sequence parallelism
+    (te_parallel all-reduces those itself unless told not to; the marker lets other tools see it)."""
+    if getattr(module, "sequence_parallel", False):
+        for n in names:
+            p = getattr(module, n, None)
+            if p is not None:
+                p.sequence_parallel = True
+
+
+def torch_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_bias: bool = True):
+    """inp·Wᵀ (+ b) by torch's own linear, in inp's dtype: for a GEMM where te_parallel has nothing to
+    do (one rank, no FP8 — none on, or a GEMM below Recipe.min_fp8_gemm — no fused wgrad
+    accumulation). torch's linear and its C++ backward cost about half the host time of
+    LinearFunction and its Python backward, and a small layer's step is mostly host time."""
+    dtype = inp.dtype
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    b = None if bias is None or not add_bias else (bias if bias.dtype == dtype else bias.to(dtype))
+    return torch.nn.functional.linear(inp, w, b)
+
+
+def below_fp8_size(frame, is_cuda: bool, tokens: int, k: int, n: int, par: LinearParallel) -> bool:
+    """True when this GEMM (M·K·N on this rank, M gathered under SP) is below the recipe's FP8 size on
+    CUDA. Never with comm-GEMM overlap (its buffers were sized for the FP8 bytes) or on the CPU."""
+    if not (frame.enabled and is_cuda) or par.ub is not None:
+        return False
+    if par.gathers_input:
+        tokens *= group_size(par.group)
+    return tokens * k * n < frame.recipe.min_fp8_gemm
+
+
+def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zero_centered_gamma: bool,
+                    device, dtype) -> None:
+    """`layer_norm_weight` (and `layer_norm_bias` for LayerNorm), TE's names."""
+    check_normalization(normalization)
+    init = torch.zeros if zero_centered_gamma else torch.ones
+    module.layer_norm_weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+    bias = torch.zeros(hidden_size, device=device, dtype=dtype) if normalization == "LayerNorm" else None
+    module.layer_norm_bias = None if bias is None else nn.Parameter(bias)
+
+
+def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    """The norm on this rank's tokens. Under sequence parallelism those are 1/tp of the sequence, so
+    γ/β gradients are partial: all-reduced over the TP group here (TE leaves that to the caller)."""
+    weight, bias = module.layer_norm_weight, module.layer_norm_bias
+    if module.sequence_parallel and module.tp_size > 1 and module.allreduce_sp_grads:
+        weight, bias = all_reduce_grad(weight, module.tp_group), all_reduce_grad(bias, module.tp_group)
+    if torch.is_autocast_enabled(inp.device.type):
+        # torch.autocast runs layer_norm in fp32 and returns fp32; the modules' activations stay in the
+        # autocast dtype (as TE's do), so the norm runs outside autocast on the already-cast input
+        # (F.layer_norm / rms_norm compute in fp32 internally and round once).
+        with torch.autocast(inp.device.type, enabled=False):
+            return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
+    return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
+
+
+def pack_outputs(out, bias, ln_out, return_bias: bool, return_layernorm_output: bool):
+    """TE's output order: out[, bias][, ln_out]."""
+    result = (out,)
+    if return_bias:
+        result += (bias,)
+    if return_layernorm_output:
+        result += (ln_out,)
+    return result[0] if len(result) == 1 else result

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from te_parallel.module.base import check_features, check_input, resolve_device, resolve_dtype
+from te_parallel.module.base import activation_dtype, check_features, check_input, resolve_device, resolve_dtype
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.norm import layer_norm, rms_norm
 from te_parallel.parallel.collectives import all_reduce_grad
@@ -37,6 +37,21 @@ class _Norm(nn.Module, TensorParallelMixin):
             return all_reduce_grad(self.weight, self.tp_group), all_reduce_grad(self.bias, self.tp_group)
         return self.weight, self.bias
 
+    def _input(self, inp: torch.Tensor) -> torch.Tensor:
+        """inp in the activation dtype (the parameters', or torch.autocast's), as every module's output is."""
+        check_input(type(self).__name__, inp, self.hidden_size)
+        dtype = activation_dtype(self.weight.dtype, inp.device)
+        return inp if inp.dtype == dtype else inp.to(dtype)
+
+    def _norm(self, fn, inp: torch.Tensor, *args) -> torch.Tensor:
+        x = self._input(inp)
+        if torch.is_autocast_enabled(x.device.type):
+            # torch.autocast would run the norm in fp32 and return fp32: run it on the already-cast input
+            # (the norm computes in fp32 internally and rounds once), as the LayerNorm* modules do
+            with torch.autocast(x.device.type, enabled=False):
+                return fn(x, *args)
+        return fn(x, *args)
+
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
@@ -56,9 +71,8 @@ class LayerNorm(_Norm):
         super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True, tp_group)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        check_input("LayerNorm", inp, self.hidden_size)
         weight, bias = self._params()
-        return layer_norm(inp, weight, bias, self.eps, self.zero_centered_gamma)
+        return self._norm(layer_norm, inp, weight, bias, self.eps, self.zero_centered_gamma)
 
 
 class RMSNorm(_Norm):
@@ -70,6 +84,5 @@ class RMSNorm(_Norm):
         super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False, tp_group)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        check_input("RMSNorm", inp, self.hidden_size)
         weight, _ = self._params()
-        return rms_norm(inp, weight, self.eps, self.zero_centered_gamma)
+        return self._norm(rms_norm, inp, weight, self.eps, self.zero_centered_gamma)

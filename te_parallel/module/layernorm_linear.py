@@ -4,52 +4,15 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
-from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
-from te_parallel.module.linear import (LinearParams, Linear, check_parallel_mode, linear_forward, local_features,
-                                       mark_sequence_parallel, overlap_settings)
-from te_parallel.module.parallel_mixin import TensorParallelMixin
-from te_parallel.ops.norm import apply_norm, check_normalization
-from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
+from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
+                                     check_parallel_mode, local_features, mark_sequence_parallel, norm_forward,
+                                     overlap_settings, pack_outputs, resolve_device, resolve_dtype)
+from te_parallel.module.params import LinearParams
+from te_parallel.parallel.collectives import gather_from_sp
 
 
-def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zero_centered_gamma: bool,
-                    device, dtype) -> None:
-    """`layer_norm_weight` (and `layer_norm_bias` for LayerNorm), TE's names."""
-    check_normalization(normalization)
-    init = torch.zeros if zero_centered_gamma else torch.ones
-    module.layer_norm_weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
-    bias = torch.zeros(hidden_size, device=device, dtype=dtype) if normalization == "LayerNorm" else None
-    module.layer_norm_bias = None if bias is None else nn.Parameter(bias)
-
-
-def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
-    """The norm on this rank's tokens. Under sequence parallelism those are 1/tp of the sequence, so
-    γ/β gradients are partial: all-reduced over the TP group here (TE leaves that to the caller)."""
-    weight, bias = module.layer_norm_weight, module.layer_norm_bias
-    if module.sequence_parallel and module.tp_size > 1 and module.allreduce_sp_grads:
-        weight, bias = all_reduce_grad(weight, module.tp_group), all_reduce_grad(bias, module.tp_group)
-    if torch.is_autocast_enabled(inp.device.type):
-        # torch.autocast runs layer_norm in fp32 and returns fp32; the modules' activations stay in the
-        # autocast dtype (as TE's do), so the norm runs outside autocast on the already-cast input
-        # (F.layer_norm / rms_norm compute in fp32 internally and round once).
-        with torch.autocast(inp.device.type, enabled=False):
-            return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
-    return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
-
-
-def pack_outputs(out, bias, ln_out, return_bias: bool, return_layernorm_output: bool):
-    """TE's output order: out[, bias][, ln_out]."""
-    result = (out,)
-    if return_bias:
-        result += (bias,)
-    if return_layernorm_output:
-        result += (ln_out,)
-    return result[0] if len(result) == 1 else result
-
-
-class LayerNormLinear(FP8Module, TensorParallelMixin):
+class LayerNormLinear(GemmModule):
     """y = norm(x)·Wᵀ + b. Arguments and outputs follow TE's `te.LayerNormLinear`.
 
     Tensor parallelism as in `Linear`; with column + sequence_parallel the norm runs on this rank's
@@ -117,15 +80,13 @@ class LayerNormLinear(FP8Module, TensorParallelMixin):
         self._params = LinearParams(self, in_features, out_features, bias=bias, parameters_split=parameters_split,
                                     init_method=init_method, device=device, dtype=dtype, split_divisor=divisor)
 
-    _linear_parallel = Linear._linear_parallel
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormLinear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
         par = self._linear_parallel(self.parallel_mode, inp, self.ub)
         ln_out = norm_forward(self, inp.to(dtype))
-        out, bias = linear_forward(self, self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),
-                                   add_bias=not self.return_bias, par=par)
+        out, bias = self._linear_forward(self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),
+                                         add_bias=not self.return_bias, par=par)
         bias = None if bias is None else bias.to(dtype)
         if self.return_layernorm_output and self.return_layernorm_output_gathered and par.gathers_input:
             ln_out = gather_from_sp(ln_out, self.tp_group)

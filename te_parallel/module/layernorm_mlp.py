@@ -5,18 +5,18 @@ from typing import Callable, Optional
 
 import torch
 
-from te_parallel.module.base import FP8Module, activation_dtype, check_features, check_input, resolve_device, resolve_dtype
-from te_parallel.module.layernorm_linear import add_norm_params, norm_forward, pack_outputs
-from te_parallel.module.linear import Linear, LinearParams, gemm_plan, mark_sequence_parallel, overlap_settings
-from te_parallel.module.parallel_mixin import TensorParallelMixin
+from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
+                                     mark_sequence_parallel, norm_forward, overlap_settings, pack_outputs,
+                                     resolve_device, resolve_dtype)
+from te_parallel.module.params import LinearParams
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 from te_parallel.parallel.groups import check_divisible
 from te_parallel.ops.activation import apply_activation, check_activation, is_gated
 from te_parallel.ops.linear import LinearFunction
-from te_parallel.ops.mlp import FusedMLPFunction, can_fuse
+from te_parallel.ops.mlp import DEFAULT_BWD_CHUNK_BYTES, FusedMLPFunction, can_fuse
 
 
-class LayerNormMLP(FP8Module, TensorParallelMixin):
+class LayerNormMLP(GemmModule):
     """y = fc2(act(fc1(norm(x)))). Arguments, parameter names and outputs follow TE's `te.LayerNormMLP`.
 
     Gated activations (geglu, reglu, swiglu, qgeglu, sreglu) give fc1 2·ffn_hidden_size outputs.
@@ -24,6 +24,8 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
     MLP: one collective each way); a gated fc1 shard holds [a_r; b_r], this rank's rows of each
     half, so the activation stays local. Under sequence_parallel the norm sees 1/tp of the tokens
     and its γ/β gradients are all-reduced here (`allreduce_sp_grads`, default True).
+    bwd_chunk_bytes (te_parallel's addition): the backward makes fc2's data gradient, the largest
+    tensor of the step, in row chunks of about this many bytes (ops.mlp), bounding peak memory.
     forward(inp, is_first_microbatch=None) -> out[, fc2 bias if return_bias][, ln_out if return_layernorm_output].
     """
 
@@ -58,8 +60,10 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         ub_bulk_wgrad: bool = False,
         ub_comm=None,
         allreduce_sp_grads: bool = True,
+        bwd_chunk_bytes: int = DEFAULT_BWD_CHUNK_BYTES,
     ) -> None:
-        check_features("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_features("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                       bwd_chunk_bytes=bwd_chunk_bytes)
         check_activation(activation)
         # fc1 (column): AG+GEMM in fprop, bulk overlaps in backward; fc2 (row): GEMM+RS, AG(dy) under dgrad.
         mode = "column" if set_parallel_mode else None
@@ -81,6 +85,7 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         self.return_layernorm_output = return_layernorm_output
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.set_parallel_mode = dtype, set_parallel_mode
+        self.bwd_chunk_bytes = bwd_chunk_bytes
         add_norm_params(self, hidden_size, normalization, zero_centered_gamma, device, dtype)
         fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
         common = dict(bias=bias, parameters_split=None, device=device, dtype=dtype)
@@ -88,8 +93,6 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         self._fc2 = LinearParams(self, ffn_local, hidden_size, prefix="fc2_",
                                  init_method=output_layer_init_method or init_method, **common)
         mark_sequence_parallel(self, ["layer_norm_weight", "layer_norm_bias", "fc2_bias"])
-
-    _linear_parallel = Linear._linear_parallel
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormMLP", inp, self.hidden_size)
@@ -100,13 +103,13 @@ class LayerNormMLP(FP8Module, TensorParallelMixin):
         fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp, self.ub_fc2,
                                         scatter_rows=inp.shape[0] * gathered)
         ln_out = norm_forward(self, inp.to(dtype))
-        w1, b1, plan1 = gemm_plan(self, self._fc1, 0, ln_out, is_first_microbatch, frame, fc1_par)
+        w1, b1, plan1 = self._gemm_plan(self._fc1, 0, ln_out, is_first_microbatch, frame, fc1_par)
         tokens = ln_out.numel() // self.hidden_size * gathered
-        w2, fc2_bias, plan2 = gemm_plan(self, self._fc2, 1, ln_out, is_first_microbatch, frame, fc2_par,
-                                        in_tokens=tokens)
+        w2, fc2_bias, plan2 = self._gemm_plan(self._fc2, 1, ln_out, is_first_microbatch, frame, fc2_par,
+                                              in_tokens=tokens)
         b2 = None if self.return_bias else fc2_bias
         if can_fuse():  # one Function: FP8 activation casts, chunked backward
-            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, (self.activation, plan1, plan2))
+            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, (self.activation, plan1, plan2, self.bwd_chunk_bytes))
         else:
             fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
             out = LinearFunction.apply(apply_activation(self.activation, fc1_out), w2, b2, plan2)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from te_parallel.module.attention import DotProductAttention
-from te_parallel.module.layernorm_linear import LayerNormLinear, pack_outputs
+from te_parallel.module.base import check_hidden_states, pack_outputs
+from te_parallel.module.layernorm_linear import LayerNormLinear
 from te_parallel.module.linear import Linear
 from te_parallel.module.rope import apply_rotary_pos_emb
 from te_parallel.module.parallel_mixin import resolve_tp_size
@@ -123,6 +124,9 @@ class MultiheadAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output: Optional[torch.Tensor] = None,
                 attn_mask_type: Optional[str] = None, window_size=None, is_first_microbatch: Optional[bool] = None,
                 checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None):
+        check_hidden_states("MultiheadAttention", hidden_states, self.qkv_format)
+        if encoder_output is not None:
+            check_hidden_states("MultiheadAttention", encoder_output, self.qkv_format, "encoder_output")
         first = getattr(self, self._qkv_name)
         out = first(hidden_states, is_first_microbatch=is_first_microbatch)
         ln_out = None

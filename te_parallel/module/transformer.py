@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from te_parallel.module.base import activation_dtype, check_hidden_states, check_input
 from te_parallel.module.layernorm import LayerNorm, RMSNorm
 from te_parallel.module.layernorm_mlp import LayerNormMLP
 from te_parallel.module.multi_head_attention import MultiheadAttention, head_dim
@@ -116,6 +117,14 @@ class TransformerLayer(nn.Module):
             out = F.dropout(out, p=self.hidden_dropout, training=self.training)
         return residual + self.drop_path(out)
 
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """hidden_states checked and in the activation dtype (the parameters', or torch.autocast's): the
+        residual stream, and so the output, is in that dtype whatever the input's."""
+        check_hidden_states("TransformerLayer", x, self.attn_input_format)
+        check_input("TransformerLayer", x, self.layernorm_mlp.hidden_size)
+        dtype = activation_dtype(self.layernorm_mlp.param_dtype, x.device)
+        return x if x.dtype == dtype else x.to(dtype)
+
     def _block(self, module, x, **kw):
         outputs = module(x, **kw)
         if self.residual_post_ln and not (module is self.self_attention and self.output_layernorm):
@@ -129,6 +138,7 @@ class TransformerLayer(nn.Module):
                 enc_dec_attn_mask_type: Optional[str] = None, is_first_microbatch: Optional[bool] = None,
                 checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None):
         mask_type = self_attn_mask_type or self.self_attn_mask_type
+        hidden_states = self._input(hidden_states)
         x = self._block(self.self_attention, hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type,
                         window_size=window_size, is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
         if self.layer_type == "decoder":

@@ -3,17 +3,25 @@
 Gated ones (geglu, qgeglu, reglu, sreglu, swiglu) take fc1's output [.., 2F] as (a, b) halves
 along the last dim and return act(a) * b, so fc1 has 2·ffn_hidden_size outputs.
 
-On CUDA, with the native kernels built, `apply_activation` / `bias_activation` run through
-`_BiasActivationFunction`: one kernel for act(x + bias) forward, one for dact (+ dbias) backward
-(te_parallel/ops/native_activation.py). Elsewhere, and under torch.compile, they are the PyTorch ops below.
+Where the native kernels take the input (te_parallel.native.activation.usable: CUDA, the kernels built,
+not under torch.compile), `apply_activation` / `bias_activation` run through `_BiasActivationFunction`:
+one kernel for act(x + bias) forward, one for dact (+ dbias) backward. Elsewhere they are the PyTorch
+ops below. The FP8 entry points (`bias_activation_fp8`, `dbias_dactivation_fp8`) fuse the cast into
+those passes, with `quantize` of the PyTorch ops as their fallback; the fp64 references
+(`activation_reference`, `bias_activation_reference`, `dbias_dactivation_reference`) are what the
+tests hold both paths to.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.native import activation as native_act
+from te_parallel.ops.cast import quantize
 
 
 def gelu(x):  # TE's gelu is the tanh approximation
@@ -48,11 +56,8 @@ def apply_activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def bias_activation(name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(x + bias) over the last dim of x [.., cols] (gated: [.., cols/2]); bias [cols] or None."""
-    if x.is_cuda and not torch.compiler.is_compiling():
-        from te_parallel.ops import native_activation
-
-        if native_activation.supports(name, x, bias):
-            return _BiasActivationFunction.apply(x, bias, name)
+    if native_act.usable(name, x, bias):
+        return _BiasActivationFunction.apply(x, bias, name)
     return apply_activation_torch(name, x if bias is None else x + bias)
 
 
@@ -73,10 +78,8 @@ class _BiasActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], name: str) -> torch.Tensor:
-        from te_parallel.ops.native_activation import bias_activation_forward
-
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, cols]
-        y2d, _ = bias_activation_forward(name, x2d, bias)  # [tokens, cols or cols/2]
+        y2d = native_act.bias_activation_forward(name, x2d, bias)[0]  # [tokens, cols or cols/2]
         ctx.name, ctx.x_shape = name, x.shape
         ctx.save_for_backward(x2d, bias)
         return y2d.view(*x.shape[:-1], y2d.shape[-1])
@@ -84,17 +87,88 @@ class _BiasActivationFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        from te_parallel.ops.native_activation import dbias_dactivation_backward
-
         x2d, bias = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         need_dbias = bias is not None and ctx.needs_input_grad[1]
         if not (need_dx or need_dbias):
             return None, None, None
         dy2d = dy.reshape(-1, dy.shape[-1]).to(x2d.dtype).contiguous()  # [tokens, cols or cols/2]
-        dx2d, dbias, _ = dbias_dactivation_backward(ctx.name, dy2d, x2d, bias, need_dbias=need_dbias,
-                                                    high_precision=need_dx)
+        dx2d, dbias, _, _ = native_act.dbias_dactivation_backward(ctx.name, dy2d, x2d, bias, need_dbias=need_dbias,
+                                                                  high_precision=need_dx)
         return (None if dx2d is None else dx2d.view(ctx.x_shape)), dbias, None
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 entry points (for fusing the activation into fc2's FP8 Linear; they fall back to PyTorch)
+
+def _float8(data: torch.Tensor, data_t: Optional[torch.Tensor], scale: torch.Tensor) -> Float8Tensor:
+    return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t)
+
+
+def bias_activation_fp8(name: str, x: torch.Tensor, bias: Optional[torch.Tensor], scale: torch.Tensor,
+                        fp8_dtype: torch.dtype, *, amax_out: Optional[torch.Tensor] = None,
+                        transpose: bool = True) -> Float8Tensor:
+    """act(x + bias) of a 2-D x straight to FP8 (+ transpose, + amax): the same bytes as
+    quantize(act(x + bias)) of the kernels' high-precision output. PyTorch ops where the kernels cannot run."""
+    if x.dim() != 2:
+        raise ValueError(f"bias_activation_fp8: x is {tuple(x.shape)}; need a 2-D [rows, cols] tensor")
+    if native_act.usable(name, x, bias):
+        scale = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
+        _, data, data_t = native_act.bias_activation_forward(name, x.contiguous(), bias, high_precision=False,
+                                                             fp8_dtype=fp8_dtype, scale=scale, amax_out=amax_out,
+                                                             transpose=transpose)
+        return _float8(data, data_t, scale)
+    scale = scale.detach().to(torch.float32).reshape(())
+    return quantize(bias_activation_torch(name, x, bias), scale, fp8_dtype, amax_out=amax_out, transpose=transpose)
+
+
+def dbias_dactivation_fp8(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
+                          scale: torch.Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[torch.Tensor] = None,
+                          transpose: bool = True, need_dbias: bool = True, fp8_out: Optional[torch.Tensor] = None,
+                          dbias_out: Optional[torch.Tensor] = None
+                          ) -> Tuple[Optional[Float8Tensor], Optional[torch.Tensor]]:
+    """(FP8 dx with its transpose, dbias or None) for a 2-D x: the dact + dbias + cast-transpose fusion that
+    feeds fc1's FP8 dgrad and wgrad GEMMs. PyTorch ops where the kernels cannot run. fp8_out / dbias_out:
+    as in te_parallel.native.activation.dbias_dactivation_backward (rows of a backward done in chunks;
+    FP8 dx is then None)."""
+    if x.dim() != 2:
+        raise ValueError(f"dbias_dactivation_fp8: x is {tuple(x.shape)}; need a 2-D [rows, cols] tensor")
+    if native_act.usable(name, x, bias):
+        scale = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
+        # (the PyTorch path's autograd casts a gradient of another dtype to x's too)
+        _, dbias, data, data_t = native_act.dbias_dactivation_backward(
+            name, dy.to(x.dtype).contiguous(), x.contiguous(), bias, need_dbias=need_dbias, high_precision=False,
+            fp8_dtype=fp8_dtype, scale=scale, amax_out=amax_out, transpose=transpose, fp8_out=fp8_out,
+            dbias_out=dbias_out)
+        return (None if fp8_out is not None else _float8(data, data_t, scale)), dbias
+    scale = scale.detach().to(torch.float32).reshape(())
+    dx = dactivation_torch(name, dy, x, bias)
+    dbias = None
+    if need_dbias:
+        dbias = dx.float().sum(0).to(dx.dtype) if dbias_out is None else dbias_out.copy_(dx.float().sum(0))
+    q = quantize(dx, scale, fp8_dtype, amax_out=amax_out, transpose=transpose and fp8_out is None)
+    if fp8_out is None:
+        return q, dbias
+    fp8_out.copy_(q.data)
+    return None, dbias
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch paths and fp64 references
+
+def bias_activation_torch(name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same op with PyTorch ops in x.dtype (x + bias rounded, then the activation): torch's own path."""
+    return apply_activation_torch(name, x if bias is None else x + bias)
+
+
+def dactivation_torch(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+    """dx of bias_activation_torch at x (and bias) for the output gradient dy, by autograd through the
+    same PyTorch ops (torch's own path)."""
+    with torch.enable_grad():
+        v = x.detach().requires_grad_(True)
+        (dx,) = torch.autograd.grad(bias_activation_torch(name, v, bias), v, dy)
+    return dx
 
 
 def activation_reference(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -116,3 +190,18 @@ def activation_reference(name: str, x: torch.Tensor) -> torch.Tensor:
         return act(x, name)
     a, b = x.chunk(2, dim=-1)
     return act(a, name) * b
+
+
+def bias_activation_reference(name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp64 act(x + bias) from the formulas of activation_reference."""
+    v = x.double() if bias is None else x.double() + bias.double()
+    return activation_reference(name, v)
+
+
+def dbias_dactivation_reference(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp64 (dx, dbias) by autograd through activation_reference at x + bias."""
+    with torch.enable_grad():
+        v = (x.double() if bias is None else x.double() + bias.double()).detach().requires_grad_(True)
+        (dx,) = torch.autograd.grad(activation_reference(name, v), v, dy.double())
+    return dx, dx.sum(0)

@@ -12,12 +12,11 @@ from typing import Optional
 
 import torch
 
-from te_parallel import _native
 from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.native import FP8_DTYPES
+from te_parallel.native import cast as native_cast
 from te_parallel.recipe import fp8_max
-
-FP8_DTYPES = _native.FP8_DTYPES
 
 
 def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
@@ -62,15 +61,15 @@ def quantize(
         x = x.detach()
     if scale.dim() or scale.dtype is not torch.float32 or scale.requires_grad:  # (a state's slot view is not)
         scale = scale.detach().to(torch.float32).reshape(())
-    if _use_native(x):
+    if native_cast.usable(x):
         # written by the kernel: 1 / scale (and the scale's snapshot beside it, when asked for)
         if keep_scale:
             scales = torch.empty(2, dtype=torch.float32, device=x.device)
             scale_inv, snapshot = scales[0], scales[1]
         else:
             scale_inv, snapshot = torch.empty((), dtype=torch.float32, device=x.device), None
-        data, data_t = _native.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv, dbias_out,
-                                                   rowwise=rowwise, scale_out=snapshot)
+        data, data_t = native_cast.cast_transpose_amax(x, scale, fp8_dtype, amax_out, transpose, scale_inv,
+                                                       dbias_out, rowwise=rowwise, scale_out=snapshot)
         return Float8Tensor(data=data_t.t() if data is None else data, scale_inv=scale_inv, data_t=data_t,
                             scale=snapshot)
     if dbias_out is not None:
@@ -82,12 +81,6 @@ def quantize(
     data_t = data.t().contiguous() if transpose else None
     return Float8Tensor(data=data if rowwise else data_t.t(), scale_inv=1.0 / scale, data_t=data_t,
                         scale=scale.clone() if keep_scale else None)
-
-
-def _use_native(x: torch.Tensor) -> bool:
-    """The one-pass CUDA kernel (cast + transpose + amax) when it is built and the input suits it."""
-    return (x.is_cuda and x.numel() > 0 and x.is_contiguous() and x.dtype in _native.CAST_INPUT_DTYPES
-            and _native.available())
 
 
 def quantize_current(

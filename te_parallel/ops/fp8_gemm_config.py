@@ -1,21 +1,25 @@
 """GemmFP8: how one GEMM of a module quantizes its operands in this pass.
 
 The module builds one per GEMM call from the innermost `fp8_autocast` region; the autograd
-Function only asks it to cast (`cast_input`, `cast_grad`) and never looks at recipes itself.
+Function only asks it to cast (`cast_input`, `cast_grad`) and never looks at recipes itself. It holds
+no reference to the autocast machinery: the module hands it `backward_done`, the callback that
+schedules the backward scale update once a backward cast has recorded its amax.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.native import activation as native_act
+from te_parallel.ops import activation as _act
 from te_parallel.ops.cast import amax_of, quantize, quantize_current
-from te_parallel.recipe import Recipe
+from te_parallel.recipe import Recipe, fp8_max
 from te_parallel.parallel.groups import group_size
 
 
@@ -32,6 +36,9 @@ class GemmFP8:
     # The high-precision weight that `weight` was cast from, when the module does not keep `weight`
     # after this forward: backward then re-encodes Wᵀ from it (weight_for_backward).
     weight_src: Optional[torch.Tensor] = None
+    # Delayed scaling: called after each backward cast (the backward scales are updated when the
+    # backward pass ends; te_parallel.fp8.autocast.record_backward bound to this GEMM's state).
+    backward_done: Optional[Callable[[], None]] = None
 
     @property
     def delayed(self) -> bool:
@@ -65,37 +72,28 @@ class GemmFP8:
     def cast_activation(self, name: str, h: torch.Tensor, transpose: bool) -> Float8Tensor:
         """act(h) (fc1's output h [M, cols]) cast as this GEMM's input in the activation's own pass
         (delayed scaling only: the scale is known before the pass)."""
-        from te_parallel.ops.native_activation import bias_activation_fp8
-
         scale, amax_out = self._delayed_scale(self._slot(False), False)
-        return bias_activation_fp8(name, h, None, scale, self.recipe.fp8_format.fwd_dtype, amax_out=amax_out,
-                                   transpose=transpose)
+        return _act.bias_activation_fp8(name, h, None, scale, self.recipe.fp8_format.fwd_dtype, amax_out=amax_out,
+                                        transpose=transpose)
 
     def cast_activation_current(self, name: str, h: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
         """act(h) cast as this GEMM's input under current scaling, in two passes of the activation
         kernel over h: the amax (all-reduced over amax_group, as cast_input does), then the FP8 bytes
         with the scale it gives. The bytes of quantize_current(act(h)): both passes quantize the
         rounded high-precision value."""
-        from te_parallel.fp8.scaling import current_scale
-        from te_parallel.ops.native_activation import bias_activation_forward
-        from te_parallel.recipe import fp8_max
-
         dtype = self.recipe.fp8_format.fwd_dtype
         amax = torch.zeros(1, dtype=torch.float32, device=h.device)
-        bias_activation_forward(name, h, None, high_precision=False, amax_out=amax)
+        native_act.bias_activation_forward(name, h, None, high_precision=False, amax_out=amax)
         scale = current_scale(_reduce_amax(amax, amax_group).view(()), fp8_max(dtype))
-        return bias_activation_forward(name, h, None, high_precision=False, fp8_dtype=dtype, scale=scale,
-                                       transpose=transpose)[1]
+        return _act.bias_activation_fp8(name, h, None, scale, dtype, transpose=transpose)
 
     def cast_dactivation(self, name: str, dact: torch.Tensor, h: torch.Tensor, transpose: bool, need_dbias: bool):
         """(FP8 dy, dbias or None) of this GEMM (fc1) from the activation's backward at h, given the
         gradient `dact` of the activation's output: dy = dact * act'(h), cast as this GEMM's output
         gradient in the same pass (delayed scaling only)."""
-        from te_parallel.ops.native_activation import dbias_dactivation_fp8
-
         scale, amax_out = self._delayed_scale(self._slot(True), True)
-        q, dbias = dbias_dactivation_fp8(name, dact, h, None, scale, self.recipe.fp8_format.bwd_dtype,
-                                         amax_out=amax_out, transpose=transpose, need_dbias=need_dbias)
+        q, dbias = _act.dbias_dactivation_fp8(name, dact, h, None, scale, self.recipe.fp8_format.bwd_dtype,
+                                              amax_out=amax_out, transpose=transpose, need_dbias=need_dbias)
         self.on_backward()
         return q, dbias
 
@@ -104,11 +102,10 @@ class GemmFP8:
         """cast_dactivation of some rows of h (a backward done in row chunks): the FP8 bytes go into
         `out` (those rows of the whole FP8 gradient, no transpose) and the rows' bias-gradient sums into
         dbias_out (fp32) when given. The whole gradient's Float8Tensor is `dactivation_fp8(bytes)`."""
-        from te_parallel.ops.native_activation import dbias_dactivation_fp8
-
         scale, amax_out = self._delayed_scale(self._slot(True), True)
-        dbias_dactivation_fp8(name, dact, h, None, scale, self.recipe.fp8_format.bwd_dtype, amax_out=amax_out,
-                              transpose=False, need_dbias=dbias_out is not None, fp8_out=out, dbias_out=dbias_out)
+        _act.dbias_dactivation_fp8(name, dact, h, None, scale, self.recipe.fp8_format.bwd_dtype, amax_out=amax_out,
+                                   transpose=False, need_dbias=dbias_out is not None, fp8_out=out,
+                                   dbias_out=dbias_out)
         self.on_backward()
 
     def dactivation_fp8(self, data: torch.Tensor) -> Float8Tensor:
@@ -126,7 +123,8 @@ class GemmFP8:
         """What dgrad will need of this GEMM's FP8 weight, called once its forward GEMM has run: the
         FP8 W itself while the module keeps it anyway (its cache), else a WeightSource that re-encodes
         Wᵀ from the high-precision weight. This plan forgets W either way, so an uncached W is freed
-        with the forward instead of living until backward (docs/design-notes.md, "FP8 weights")."""
+        with the forward instead of living until backward (docs/fp8.md, "FP8 weights are not kept
+        from forward to backward")."""
         w, self.weight = self.weight, None
         if self.weight_src is None or w.scale is None:
             return w
@@ -156,8 +154,8 @@ class GemmFP8:
             torch.maximum(cell, amax_of(x).view(1), out=cell)
 
     def on_backward(self) -> None:
-        if self.delayed:
-            _autocast.record_backward(self.state, self.recipe, self.group)
+        if self.backward_done is not None:
+            self.backward_done()
 
 
 def _spans_ranks(group) -> bool:

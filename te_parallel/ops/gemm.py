@@ -1,9 +1,9 @@
 """FP8 GEMM through cuBLASLt, in the three layouts of a linear layer.
 
-Two callers of cuBLASLt: `torch._scaled_mm`, and te_parallel's own call (csrc/gemm, `_native.fp8_gemm`),
+Two callers of cuBLASLt: `torch._scaled_mm`, and te_parallel's own call (csrc/gemm, `native.gemm.fp8_gemm`),
 which also adds a C matrix in the epilogue (`accumulate=`: D = A·B + C, rounded once) and caches its
 plans. GEMMs with `accumulate` always take the native call where it is usable (else _scaled_mm and an
-add); the others take it when NATIVE_GEMM is True (the default; environment TE_PARALLEL_NATIVE_GEMM=0 turns it off).
+add); the others take it when their MMParams say backend="native" (the default; "torch": _scaled_mm).
 
 For y = x·Wᵀ with x [M, K] (tokens × in), W [N, K] (out × in), dy [M, N]:
 
@@ -18,13 +18,15 @@ reject.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from te_parallel import _native
+from te_parallel.native import gemm as native_gemm
 from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.recipe import MMParams
+
+EXACT = MMParams()  # exact accumulation, native call: the GEMM of a caller that names no MMParams
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,13 +59,14 @@ def fp8_mm(
     bias: Optional[torch.Tensor] = None,
     what: str = "",
     out: Optional[torch.Tensor] = None,
-    fast_accum: bool = False,
+    mm: MMParams = EXACT,
     accumulate: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(a · a_scale_inv) @ (b · b_scale_inv) + bias (+ accumulate), accumulated in fp32.
 
-    fast_accum: cuBLASLt's FAST_ACCUM (no periodic promotion of the tensor cores' partial sums to
-    fp32 registers; faster, less exact for long K). See FPROP_FAST_ACCUM.
+    mm: the accumulation (use_split_accumulator=False is cuBLASLt's FAST_ACCUM: no periodic
+    promotion of the tensor cores' partial sums to fp32 registers; faster, less exact for long K)
+    and which call issues the GEMM (te_parallel.recipe.MMParams).
 
     a: [M, K] FP8 row-major (contiguous); b: [K, N] FP8 column-major (b.t() contiguous).
     out: optional contiguous [M, N] of out_dtype to write into (e.g. rows of a larger output).
@@ -84,11 +87,12 @@ def fp8_mm(
         return result if out is None else out.copy_(result)
     # cuBLASLt fuses a bias only into a bf16/fp16 output; add it afterwards for fp32.
     fuse_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
-    if (accumulate is not None or NATIVE_GEMM) and _native.gemm_usable():
+    fast_accum = not mm.use_split_accumulator
+    if (accumulate is not None or mm.backend == "native") and native_gemm.usable():
         if out is None:
             out = torch.empty(shape, dtype=out_dtype, device=a.device)
-        _native.fp8_gemm(a, _scalar_f32(a_scale_inv), b.t(), _scalar_f32(b_scale_inv), out, accumulate,
-                         bias if fuse_bias else None, fast_accum)
+        native_gemm.fp8_gemm(a, _scalar_f32(a_scale_inv), b.t(), _scalar_f32(b_scale_inv), out, accumulate,
+                             bias if fuse_bias else None, fast_accum)
         return out if bias is None or fuse_bias else out.add_(bias.to(out_dtype))
     kwargs = {} if out is None else {"out": out}
     result = torch._scaled_mm(
@@ -131,38 +135,22 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate=None
     return out.to(out_dtype)
 
 
-# TE runs the forward GEMM with fast accumulation (no periodic promotion of partial sums to fp32) and
-# dgrad / wgrad without. On an H200 (torch 2.11, cuBLASLt) fast accumulation did not make the seed
-# layer's forward GEMMs faster (sum of the four: 2.49 vs 2.50 ms; docs/benchmarks.md), so every GEMM
-# here keeps the more exact accumulation. True switches the forward GEMMs to TE's choice.
-FPROP_FAST_ACCUM = False
-
-# Every FP8 GEMM through te_parallel's cuBLASLt call (where cuBLASLt opens) instead of
-# torch._scaled_mm. The default since the tenth session (docs/benchmarks.md, "Tenth session"): timed
-# interleaved on H200s, the two are equally fast on the GPU at the large Linear shapes and in the seed
-# layer, and the native call was faster wherever the host shows (8192x4096->4096: 0.80-1.23 against
-# 0.90-1.31 ms in four runs); its call costs about half of _scaled_mm's host time (bench_host --floor).
-# TE_PARALLEL_NATIVE_GEMM=0 picks torch._scaled_mm. GEMMs that accumulate use the native call regardless.
-NATIVE_GEMM = os.environ.get("TE_PARALLEL_NATIVE_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-          out: Optional[torch.Tensor] = None, accumulate: Optional[torch.Tensor] = None):
-    """y [M, N] = x [M, K] · W[N, K]ᵀ (+ accumulate)."""
-    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out, FPROP_FAST_ACCUM,
-                  accumulate)
+          out: Optional[torch.Tensor] = None, accumulate: Optional[torch.Tensor] = None, mm: MMParams = EXACT):
+    """y [M, N] = x [M, K] · W[N, K]ᵀ (+ accumulate); mm: the recipe's fp8_gemm_fprop."""
+    return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out, mm, accumulate)
 
 
 def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
-          accumulate: Optional[torch.Tensor] = None):
-    """dx [M, K] = dy [M, N] · W [N, K] (+ accumulate)."""
-    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad", out,
-                  accumulate=accumulate)
+          accumulate: Optional[torch.Tensor] = None, mm: MMParams = EXACT):
+    """dx [M, K] = dy [M, N] · W [N, K] (+ accumulate); mm: the recipe's fp8_gemm_dgrad."""
+    return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad", out, mm,
+                  accumulate)
 
 
-def wgrad(dy: Float8Tensor, x: Float8Tensor, out_dtype: torch.dtype):
-    """dW [N, K] = dy [M, N]ᵀ · x [M, K]."""
-    return fp8_mm(dy.transposed(), dy.scale_inv, x.transposed().t(), x.scale_inv, out_dtype, None, "wgrad")
+def wgrad(dy: Float8Tensor, x: Float8Tensor, out_dtype: torch.dtype, mm: MMParams = EXACT):
+    """dW [N, K] = dy [M, N]ᵀ · x [M, K]; mm: the recipe's fp8_gemm_wgrad."""
+    return fp8_mm(dy.transposed(), dy.scale_inv, x.transposed().t(), x.scale_inv, out_dtype, None, "wgrad", mm=mm)
 
 
 def fp8_mm_reference(a: Float8Tensor, b: Float8Tensor) -> torch.Tensor:

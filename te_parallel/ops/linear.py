@@ -10,7 +10,7 @@ reduce-scattered back to [M/tp, K] (SP). Row-parallel (W [N, K/tp]): y is a part
 all-reduced (no SP) or reduce-scattered to [M/tp, N] (SP), bias added after; under SP backward
 gathers dy (FP8 bytes) and all-reduces the bias gradient (each rank saw M/tp tokens).
 
-Backward overlap (issue: no exposed comm where a GEMM can hide it), in issue order on the stream:
+Backward overlap (the rule: no exposed comm where a GEMM can hide it), in issue order on the stream:
     1. start the async re-gather of x (column+SP; only the local shard was kept)
     2. dgrad GEMM                                   <- overlaps 1
     3. start the async all-reduce / reduce-scatter of dx
@@ -53,10 +53,11 @@ class LinearParallel:
     group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
     fp8_gather: bool = True  # False: gather the high-precision input, then cast (twice the bytes; for comparison)
-    # Comm-GEMM overlap (te_parallel.parallel.overlap.CommOverlap; sequence parallel only):
+    # Comm-GEMM overlap (te_parallel.parallel.overlap.CommOverlap; sequence parallel only). ub_fprop /
+    # ub_dgrad: the OverlapConfig of that pass's overlap, None where it does not overlap.
     ub: Optional[object] = None
-    ub_fprop: bool = False  # column: AG+GEMM ring; row: GEMM+RS by destination chunk
-    ub_dgrad: bool = False  # row: AG(dy)+dgrad ring; column: AG(x) under dgrad, RS(dx) under wgrad
+    ub_fprop: Optional[object] = None  # column: AG+GEMM ring; row: GEMM+RS by destination chunk
+    ub_dgrad: Optional[object] = None  # row: AG(dy)+dgrad ring; column: AG(x) under dgrad, RS(dx) under wgrad
     ub_rs_dgrad: bool = False  # column, with ub_dgrad: RS(dx) pipelined with dgrad instead (ub_overlap_rs_dgrad)
     # whether the layer is split at all, decided once: the properties below are read several times per GEMM
     active: bool = field(init=False, repr=False, compare=False)
@@ -80,11 +81,11 @@ class LinearParallel:
 
     @property
     def overlap_fprop(self) -> bool:
-        return self.ub is not None and self.ub_fprop and self.active and self.sequence_parallel
+        return self.ub is not None and self.ub_fprop is not None and self.active and self.sequence_parallel
 
     @property
     def overlap_dgrad(self) -> bool:
-        return self.ub is not None and self.ub_dgrad and self.active and self.sequence_parallel
+        return self.ub is not None and self.ub_dgrad is not None and self.active and self.sequence_parallel
 
 
 SINGLE = LinearParallel()
@@ -112,20 +113,27 @@ def _gather(t, group, async_op=False):
     return all_gather_dim0(t, group, async_op)
 
 
-def _fprop(x, w, bias, out_dtype):
+def _mm(fp8, which: str):
+    """The recipe's MMParams of this GEMM (fp8_gemm_fprop / _dgrad / _wgrad); the default without FP8."""
+    return gemm.EXACT if fp8 is None else getattr(fp8.recipe, which)
+
+
+def _fprop(x, w, bias, out_dtype, fp8=None):
     if isinstance(x, Float8Tensor):
-        return gemm.fprop(x, w, out_dtype, bias)
+        return gemm.fprop(x, w, out_dtype, bias, mm=_mm(fp8, "fp8_gemm_fprop"))
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     return torch.nn.functional.linear(x, w, bias)
 
 
-def _dgrad(dy, w, out_dtype):
-    return gemm.dgrad(dy, w, out_dtype) if isinstance(dy, Float8Tensor) else dy @ w
+def _dgrad(dy, w, out_dtype, fp8=None):
+    return gemm.dgrad(dy, w, out_dtype, mm=_mm(fp8, "fp8_gemm_dgrad")) if isinstance(dy, Float8Tensor) else dy @ w
 
 
-def _wgrad(dy, x, out_dtype):
-    return gemm.wgrad(dy, x, out_dtype) if isinstance(dy, Float8Tensor) else (dy.t() @ x).to(out_dtype)
+def _wgrad(dy, x, out_dtype, fp8=None):
+    if isinstance(dy, Float8Tensor):
+        return gemm.wgrad(dy, x, out_dtype, mm=_mm(fp8, "fp8_gemm_wgrad"))
+    return (dy.t() @ x).to(out_dtype)
 
 
 def _reduce_output(y2d: torch.Tensor, par: LinearParallel) -> torch.Tensor:
@@ -172,16 +180,17 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
             if fp8 is not None:
                 fp8.record_amax(x2d, backward=False)
             x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
+    mm = _mm(fp8, "fp8_gemm_fprop")
     if overlap and not row:  # column: gather ring under the GEMM
-        fp = lambda a, out: ov.fprop_into(a, w_used, bias, out)  # noqa: E731
+        fp = lambda a, out: ov.fprop_into(a, w_used, bias, out, mm=mm)  # noqa: E731
         y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias,
-                         fast_accum=gemm.FPROP_FAST_ACCUM)[0]
+                         mm=mm, cfg=par.ub_fprop)[0]
     elif overlap:  # row: reduce-scatter by destination chunk under the GEMM
-        fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc)  # noqa: E731
-        y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, w=w_used)
+        fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc, mm=mm)  # noqa: E731
+        y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, par.ub_fprop, w=w_used, mm=mm)
     else:
         x_used = _gather(x_local, par.group)[0] if regather else x_local
-        y2d = _fprop(x_used, w_used, None if row else bias, act_dtype)
+        y2d = _fprop(x_used, w_used, None if row else bias, act_dtype, fp8)
         if row:
             y2d = _reduce_output(y2d, par)
     if row and bias is not None:
@@ -287,13 +296,13 @@ def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
         x_full, x_handle = _gather(s.x_saved, par.group, async_op=True)  # overlaps dgrad
     dx2d, dx_handle = None, None
     if need_dx:
-        dx2d = _dgrad(dy, s.w_saved, s.act_dtype)
+        dx2d = _dgrad(dy, s.w_saved, s.act_dtype, s.fp8)
         dx2d, dx_handle = _reduce_dgrad(dx2d, par)  # async, overlaps wgrad
     dw = None
     if need_dw:
         if x_handle is not None:
             x_handle.wait()
-        dw = _wgrad(dy, x_full, torch.float32 if targets else s.weight_dtype)
+        dw = _wgrad(dy, x_full, torch.float32 if targets else s.weight_dtype, s.fp8)
     if dx_handle is not None:
         dx_handle.wait()
     return dx2d, dw
@@ -301,14 +310,14 @@ def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
 
 def _make_weight_transpose(s) -> None:
     """Wᵀ for dgrad, made once per backward and dropped with it: from the cached FP8 W, or re-encoded
-    from the high-precision weight (docs/design-notes.md, "Which cast makes which transpose")."""
+    from the high-precision weight (docs/fp8.md, "Which cast makes which transpose")."""
     if isinstance(s.w_saved, (Float8Tensor, WeightSource)):
         s.w_saved = s.w_saved.with_transpose()
 
 
 def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
     """wgrad first, so that its operands (xᵀ, dyᵀ) are freed before dx exists; then dx chunk by chunk."""
-    dw = _wgrad(dy, s.x_saved, torch.float32 if s.targets else s.weight_dtype) if need_dw else None
+    dw = _wgrad(dy, s.x_saved, torch.float32 if s.targets else s.weight_dtype, s.fp8) if need_dw else None
     if isinstance(dy, Float8Tensor):
         dy.data_t = None  # dyᵀ was wgrad's; this backward's own tensor
     if not keep_graph():
@@ -317,7 +326,7 @@ def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
     for r0 in range(0, _rows_of(dy), chunk):
         rows = (Float8Tensor(dy.data[r0 : r0 + chunk], dy.scale_inv) if isinstance(dy, Float8Tensor)
                 else dy[r0 : r0 + chunk])
-        consume(r0, _dgrad(rows, s.w_saved, s.act_dtype))
+        consume(r0, _dgrad(rows, s.w_saved, s.act_dtype, s.fp8))
     return dw
 
 
@@ -329,24 +338,27 @@ def _overlapped_backward(s, dy, need_dx: bool, need_dw: bool):
     if par.mode == "row":  # dy [m, N] gathered chunk by chunk under dgrad; the whole dy kept for wgrad
         n_in = s.w_saved.shape[1]
         if need_dx:
-            dg = lambda a, out: ov.dgrad_into(a, s.w_saved, out)  # noqa: E731
+            mm = _mm(s.fp8, "fp8_gemm_dgrad")
+            dg = lambda a, out: ov.dgrad_into(a, s.w_saved, out, mm=mm)  # noqa: E731
             w_t = (Float8Tensor(s.w_saved.transposed(), s.w_saved.scale_inv)  # B = Wᵀ [K, N] (FP8 keeps one)
                    if isinstance(s.w_saved, Float8Tensor) else None)
-            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, s.act_dtype, keep_gathered=need_dw, w=w_t)
+            dx2d, dy_full = ov.ag_gemm(par.ub, dy, dg, n_in, s.act_dtype, keep_gathered=need_dw, w=w_t, mm=mm,
+                                       cfg=par.ub_dgrad)
         else:
             dy_full = _gather(dy, par.group)[0]
         if need_dw:
-            dw = _wgrad(dy_full, s.x_saved, wdtype)
+            dw = _wgrad(dy_full, s.x_saved, wdtype, s.fp8)
         return dx2d, dy_full, dw
     # column: x re-gathered under dgrad; dx reduce-scattered under wgrad (bulk) or pipelined with dgrad
     bulk = ov.BulkBackward(par.ub, s.x_saved if need_dw else None)
+    mm = _mm(s.fp8, "fp8_gemm_dgrad")
     if need_dx and par.ub_rs_dgrad:
-        dx2d = ov.dgrad_rs(par.ub, dy, s.w_saved, s.act_dtype)
+        dx2d = ov.dgrad_rs(par.ub, dy, s.w_saved, s.act_dtype, par.ub_dgrad, mm)
     elif need_dx:
         rows = _rows_of(dy)
-        bulk.dgrad_rs(dy, s.w_saved, rows, s.w_saved.shape[1], s.act_dtype, _device_of(dy))
+        bulk.dgrad_rs(dy, s.w_saved, rows, s.w_saved.shape[1], s.act_dtype, _device_of(dy), mm)
     if need_dw:
-        dw = _wgrad(dy, bulk.x_full(), wdtype)
+        dw = _wgrad(dy, bulk.x_full(), wdtype, s.fp8)
     if need_dx and dx2d is None:
         dx2d = bulk.dx_local()
     return dx2d, dy, dw

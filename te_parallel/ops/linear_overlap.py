@@ -24,9 +24,11 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from te_parallel import _native
+from te_parallel.native import gemm as native_gemm
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
+from te_parallel.parallel.overlap_config import DEFAULT_OVERLAP, OverlapConfig
+from te_parallel.recipe import MMParams
 
 Operand = object  # torch.Tensor or Float8Tensor
 
@@ -42,10 +44,10 @@ def _wrap(chunk: torch.Tensor, like: Operand) -> Operand:
 
 
 def fprop_into(x: Operand, w: Operand, bias: Optional[torch.Tensor], out: torch.Tensor,
-               accumulate: Optional[torch.Tensor] = None) -> None:
+               accumulate: Optional[torch.Tensor] = None, mm: MMParams = gemm.EXACT) -> None:
     """out [rows, N] = x [rows, K] · Wᵀ (+ bias) (+ accumulate, added in the GEMM's epilogue)."""
     if isinstance(x, Float8Tensor):
-        gemm.fprop(x, w, out.dtype, bias, out=out, accumulate=accumulate)
+        gemm.fprop(x, w, out.dtype, bias, out=out, accumulate=accumulate, mm=mm)
     elif accumulate is not None:
         torch.addmm(accumulate, x, w.t(), out=out)
         if bias is not None:
@@ -56,10 +58,11 @@ def fprop_into(x: Operand, w: Operand, bias: Optional[torch.Tensor], out: torch.
         torch.addmm(bias.to(out.dtype), x, w.t(), out=out)
 
 
-def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor, accumulate: Optional[torch.Tensor] = None) -> None:
+def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor, accumulate: Optional[torch.Tensor] = None,
+               mm: MMParams = gemm.EXACT) -> None:
     """out [rows, K] = dy [rows, N] · W (+ accumulate, added in the GEMM's epilogue)."""
     if isinstance(dy, Float8Tensor):
-        gemm.dgrad(dy, w, out.dtype, out=out, accumulate=accumulate)
+        gemm.dgrad(dy, w, out.dtype, out=out, accumulate=accumulate, mm=mm)
     elif accumulate is not None:
         torch.addmm(accumulate, dy, w, out=out)
     else:
@@ -68,17 +71,18 @@ def dgrad_into(dy: Operand, w: Operand, out: torch.Tensor, accumulate: Optional[
 
 def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], None], n_out: int,
             out_dtype: torch.dtype, keep_gathered: bool, w: Optional[Operand] = None,
-            bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> Tuple[torch.Tensor, Optional[Operand]]:
+            bias: Optional[torch.Tensor] = None, mm: MMParams = gemm.EXACT,
+            cfg: Optional[OverlapConfig] = None) -> Tuple[torch.Tensor, Optional[Operand]]:
     """(out [tp·m, n_out], the gathered A [tp·m, K] if keep_gathered else None).
     w (+ bias): B as [n_out, K] (gemm_into's math: A·wᵀ + bias), for the native schedule, whose FP8
-    GEMMs use fast_accum as gemm_into's do."""
+    GEMMs accumulate as `mm` says, as gemm_into's do. cfg: this GEMM's OverlapConfig."""
     tp, me = ub.tp_size, ub.rank
     if isinstance(a_local, torch.Tensor):
         a_local = a_local.contiguous()
-    if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
+    if (cfg or DEFAULT_OVERLAP).native_schedule and w is not None and ub.transport_name == "ipc" and native_gemm.usable():
         ops = _native_operands(a_local, w, out_dtype, fp8_only=True)
         if ops is not None and (bias is None or (out_dtype != torch.float32 and bias.dtype == out_dtype)):
-            out, gathered = ub.ag_gemm(*ops, bias, out_dtype, keep_gathered, fast_accum)
+            out, gathered = ub.ag_gemm(*ops, bias, out_dtype, keep_gathered, mm.fast_accum)
             return out, (Float8Tensor(gathered, a_local.scale_inv) if keep_gathered else None)
     local = _bytes(a_local)
     m = local.shape[0]
@@ -97,38 +101,6 @@ def ag_gemm(ub, a_local: Operand, gemm_into: Callable[[Operand, torch.Tensor], N
     return out, gathered
 
 
-# At TP=2 the reduce-scatter runs in row pieces: the peer's partial is computed piece by piece, each
-# piece pulled by the peer as soon as it is written, and the own partial's GEMM adds the received
-# piece in its epilogue (cuBLASLt's C input), so no pass sums the partials. A piece has at least
-# RS_MIN_PIECE_ROWS rows. Two pieces: more lose more to shorter GEMMs (FP8 GEMMs of 1024 rows ran
-# ~25% below the whole GEMM's rate on an H200) and to launches than the earlier pulls win back
-# (docs/overlap.md, docs/benchmarks.md "Seventh session").
-RS_PIECES = 2
-RS_MIN_PIECE_ROWS = 256
-RS_OWN_GROUP = 1  # pulled pieces per GEMM of the own partial (native schedule)
-# A GEMM with a short inner dimension K is copy-bound: its partial's bytes per row are the same, its
-# FLOPs per row K-fold fewer (at K = 2048, pulling a row over NVLink takes about twice as long as
-# computing it). Then the pulls are the critical path, and smaller pieces start them sooner and leave
-# a shorter last own GEMM behind them.
-RS_SHORT_K = 4096
-RS_PIECES_SHORT_K = 4
-
-
-def rs_pieces(tp: int, m: int, k: Optional[int] = None) -> int:
-    """Row pieces of a TP=tp reduce-scatter whose chunks have m rows, from a GEMM with inner
-    dimension k (1: the unpieced schedule)."""
-    if tp != 2:
-        return 1
-    want = RS_PIECES_SHORT_K if k is not None and k < RS_SHORT_K else RS_PIECES
-    return max(1, min(want, m // RS_MIN_PIECE_ROWS))
-
-
-# The whole GEMM + reduce-scatter schedule is enqueued by one native call (tep_comm_gemm_rs) where it
-# can be: IPC transport, cuBLASLt opened, the weight given. Issued step by step from Python the
-# schedule costs ~0.1 ms of host time per GEMM (four pieces: more than the GPU time of the op).
-NATIVE_SCHEDULE = True
-
-
 def _native_operands(a: Operand, w: Operand, out_dtype: torch.dtype, fp8_only: bool = False):
     """(a, a_scale_inv, w, w_scale_inv) as tep_gemm takes them, or None where it cannot (or, with
     fp8_only, where the operands are not FP8: a bf16 all-gather + GEMM stays bit-exact with the
@@ -145,21 +117,23 @@ def _native_operands(a: Operand, w: Operand, out_dtype: torch.dtype, fp8_only: b
 
 
 def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out_dtype: torch.dtype,
-            w: Optional[Operand] = None, fast_accum: Optional[bool] = None) -> torch.Tensor:
+            cfg: Optional[OverlapConfig] = None, w: Optional[Operand] = None,
+            mm: MMParams = gemm.EXACT) -> torch.Tensor:
     """[m, n_out]: this rank's rows of sum over ranks of A·B, computed by destination chunk.
     gemm_into(a_rows, out, accumulate=None) writes a_rows·B (+ accumulate) into out; w: B's weight
-    [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call), whose FP8 GEMMs use
-    fast accumulation if fast_accum (default: as fprop's do)."""
+    [n_out, K] (Wᵀ = B), for the native schedule (the same math, one call), whose FP8 GEMMs
+    accumulate as `mm` says. cfg: this GEMM's OverlapConfig (pieces, native schedule)."""
+    cfg = cfg or DEFAULT_OVERLAP
     tp, me = ub.tp_size, ub.rank
     rows, inner = _bytes(a_full).shape
     m = rows // tp
     device = _bytes(a_full).device
-    if NATIVE_SCHEDULE and w is not None and ub.transport_name == "ipc" and _native.gemm_usable():
+    pieces = cfg.rs_pieces_for(tp, m, inner)
+    if cfg.native_schedule and w is not None and ub.transport_name == "ipc" and native_gemm.usable():
         ops = _native_operands(a_full, w, out_dtype)
         if ops is not None:
-            fast = gemm.FPROP_FAST_ACCUM if fast_accum is None else fast_accum
-            return ub.gemm_rs(*ops, out_dtype, rs_pieces(tp, m, inner), fast, RS_OWN_GROUP)
-    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=rs_pieces(tp, m, inner))
+            return ub.gemm_rs(*ops, out_dtype, pieces, mm.fast_accum, cfg.rs_own_group)
+    rs = ub.reduce_scatter(rows, n_out, out_dtype, device, pieces=pieces)
     # Each pull is issued after the next GEMM (as the native call does): with CUDA_DEVICE_MAX_CONNECTIONS=1
     # a wait for a late peer would otherwise hold back a GEMM that does not need the peer's data.
     if len(rs.pieces) > 1:  # TP=2 (rs_pieces): the peer's partial in pieces, then the own one adds them
@@ -181,15 +155,16 @@ def gemm_rs(ub, a_full: Operand, gemm_into: Callable[..., None], n_out: int, out
     return rs.finish(out_dtype)
 
 
-def dgrad_rs(ub, dy: Operand, w: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+def dgrad_rs(ub, dy: Operand, w: Operand, out_dtype: torch.dtype, cfg: Optional[OverlapConfig] = None,
+             mm: MMParams = gemm.EXACT) -> torch.Tensor:
     """Column-parallel dgrad with its reduce-scatter pipelined (TE's ub_overlap_rs_dgrad): this rank's
     rows of sum over ranks of dy·W, by gemm_rs's schedule (at TP=2 the received pieces are added in
     the own GEMM's epilogue: no summing pass, and the pulls end under the dgrad, not after it)."""
     w_t = None  # B = Wᵀ [K, N] for the native call (FP8 keeps one; bf16 would need a copy of W)
     if isinstance(w, Float8Tensor):
         w_t = Float8Tensor(w.transposed(), w.scale_inv)
-    return gemm_rs(ub, dy, lambda a, out, c=None: dgrad_into(a, w, out, c), w.shape[1], out_dtype, w=w_t,
-                   fast_accum=False)
+    return gemm_rs(ub, dy, lambda a, out, c=None: dgrad_into(a, w, out, c, mm), w.shape[1], out_dtype, cfg, w=w_t,
+                   mm=mm)
 
 
 def _rows(a: Operand, start: int, stop: int) -> Operand:
@@ -217,16 +192,17 @@ class BulkBackward:
             self.gather = ub.all_gather(local, full)
         self.rs = None
 
-    def dgrad_rs(self, dy: Operand, w: Operand, rows: int, cols: int, out_dtype: torch.dtype, device) -> None:
+    def dgrad_rs(self, dy: Operand, w: Operand, rows: int, cols: int, out_dtype: torch.dtype, device,
+                 mm: MMParams = gemm.EXACT) -> None:
         ub = self.ub
         rs = ub.reduce_scatter(rows, cols, out_dtype, device)
         full = rs.full()
         if full is not None:
-            dgrad_into(dy, w, full)
+            dgrad_into(dy, w, full, mm=mm)
         else:
             m = rows // ub.tp_size
             for d in range(ub.tp_size):
-                dgrad_into(_rows(dy, d * m, (d + 1) * m), w, rs.slot(d))
+                dgrad_into(_rows(dy, d * m, (d + 1) * m), w, rs.slot(d), mm=mm)
         for k in range(1, ub.tp_size + 1):  # step order, the same on every rank (P2P pairs messages by step)
             rs.ready((ub.rank + k) % ub.tp_size)
         rs.finish(out_dtype, async_op=True)  # the pulls now, the sum in dx_local (after wgrad is issued)

@@ -13,7 +13,8 @@ known before the pass, so the activation kernels can emit the FP8 operands thems
 
 Unfused, act(h) is written in high precision and read again by fc2's cast, and so is the
 activation's gradient by fc1's gradient cast: 2 × (write + read) of [tokens, ffn] per step
-(docs/benchmarks.md, "redundant passes"), and a [tokens, ffn] high-precision tensor less in flight.
+(docs/fp8.md, "fc1 → activation → fc2 is one autograd Function"), and a [tokens, ffn]
+high-precision tensor less in flight.
 The FP8 bytes are those of the unfused path (the kernels quantize the rounded high-precision value);
 only fc1's bias gradient may differ in its last bits (another fp32 summation order). Current scaling
 needs the whole tensor's amax before its cast: forward runs the activation kernel twice over h (its
@@ -24,8 +25,8 @@ FP8 activation everything is bit-exact with the separate Functions.
 
 Backward in row chunks. fc2's dgrad output `da` is as large as h ([tokens, ffn], high precision).
 Made whole, it is live together with h and the activation's gradient, which is the step's peak of
-memory. So fc2's wgrad runs first (its operands are freed), then da is made BWD_CHUNK_BYTES of rows at
-a time, each chunk turned into the activation's gradient rows (FP8, or high precision) before the next
+memory. So fc2's wgrad runs first (its operands are freed), then da is made `bwd_chunk_bytes` of rows
+at a time (LayerNormMLP's argument), each chunk turned into the activation's gradient rows (FP8, or high precision) before the next
 exists. The FP8 gradient's transposed copy (for fc1's wgrad) is made after h is freed, by the
 one-pass byte transpose. A high-precision gradient is written into h itself (each element of h is
 read once, by the thread that then writes it), unless the graph is kept for another backward. Same bytes as one piece wherever cuBLASLt multiplies a row chunk as it
@@ -42,14 +43,16 @@ from typing import Optional
 import torch
 
 from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.native import activation as native_act
 from te_parallel.ops import activation as _act
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linear_fwd
 
 # The backward makes fc2's dgrad output (the activation's gradient input, [tokens, ffn] in high
-# precision) in row chunks of about this many bytes, each consumed by the activation's backward before
-# the next exists, when there are at least two (docs/design-notes.md, "MLP backward in row chunks").
-BWD_CHUNK_BYTES = 64 << 20
+# precision) in row chunks of about this many bytes by default, each consumed by the activation's
+# backward before the next exists, when there are at least two (docs/fp8.md, "MLP backward in row
+# chunks").
+DEFAULT_BWD_CHUNK_BYTES = 64 << 20
 
 
 def can_fuse() -> bool:
@@ -65,22 +68,13 @@ def fp8_activation(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8]) -> bool:
             and fc2.delayed)
 
 
-def _chunk_rows(h: torch.Tensor, s2) -> Optional[int]:
+def _chunk_rows(h: torch.Tensor, s2, chunk_bytes: int) -> Optional[int]:
     """Rows per chunk of fc2's dgrad output (a multiple of 16, the FP8 GEMM's), or None for one piece."""
     if s2.par.overlap_dgrad or h.shape[0] % 16:
         return None
     per_row = s2.w_saved.shape[1] * h.element_size()  # fc2's input features, in the activation dtype
-    chunk = BWD_CHUNK_BYTES // per_row // 16 * 16
+    chunk = chunk_bytes // per_row // 16 * 16
     return chunk if 16 <= chunk < h.shape[0] else None
-
-
-def _native(name: str, h: torch.Tensor) -> bool:
-    """The unfused path's choice (ops.activation.bias_activation): the native kernels on CUDA."""
-    if not h.is_cuda:
-        return False
-    from te_parallel.ops import native_activation
-
-    return native_activation.supports(name, h)
 
 
 def _two_pass_fp8(name: str, h: torch.Tensor, fc2: Optional[GemmFP8], fc2_par: LinearParallel) -> bool:
@@ -88,26 +82,22 @@ def _two_pass_fp8(name: str, h: torch.Tensor, fc2: Optional[GemmFP8], fc2_par: L
     twice, once for the amax and once straight to FP8, instead of writing act(h) in high precision and
     reading it twice (amax, cast). Not when fc2's input is gathered (fc2 is row-parallel: it never is)."""
     return (fc2 is not None and fc2.compute and not fc2.delayed and not fc2_par.gathers_input
-            and _native(name, h))
+            and native_act.usable(name, h))
 
 
 def _act_forward(name: str, h: torch.Tensor) -> torch.Tensor:
     """act(h) [M, cols] in h's dtype, as the unfused path computes it (no autograd record)."""
-    if _native(name, h):
-        from te_parallel.ops.native_activation import bias_activation_forward
-
-        return bias_activation_forward(name, h)[0]
+    if native_act.usable(name, h):
+        return native_act.bias_activation_forward(name, h)[0]
     return _act.apply_activation_torch(name, h)
 
 
 def _dact_into(name: str, da: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
     """out = da * act'(h) (rows of the activation's gradient, high precision), as the unfused path."""
-    from te_parallel.ops import native_activation
-
-    if _native(name, h):
-        native_activation.dbias_dactivation_backward(name, da.contiguous(), h, None, high_precision=True, dx_out=out)
+    if native_act.usable(name, h):
+        native_act.dbias_dactivation_backward(name, da.contiguous(), h, None, high_precision=True, dx_out=out)
     else:
-        out.copy_(native_activation.dactivation_torch(name, da, h))
+        out.copy_(_act.dactivation_torch(name, da, h))
 
 
 class FusedMLPFunction(torch.autograd.Function):
@@ -115,9 +105,9 @@ class FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, plan):
-        # plan: (activation name, fc1 plan, fc2 plan); a GEMM plan is LinearFunction's
-        # (GemmFP8, wgrad targets, LinearParallel, grad mode)
-        name, plan1, plan2 = plan
+        # plan: (activation name, fc1 plan, fc2 plan, backward chunk bytes); a GEMM plan is
+        # LinearFunction's (GemmFP8, wgrad targets, LinearParallel, grad mode)
+        name, plan1, plan2, ctx.chunk_bytes = plan
         fp8_1, fp8_2, grad = plan1[0], plan2[0], plan2[3]
         dtype = x.dtype
         h, s1 = linear_fwd(x.reshape(-1, w1.shape[1]), w1, b1, plan1, dtype)  # [M, fc1 out]
@@ -147,7 +137,7 @@ class FusedMLPFunction(torch.autograd.Function):
         need_fc1 = need_x or need_w1 or need_b1
         need_dw2, need_db2, need_db1 = need_w2 or bool(s2.targets), s2.has_bias and need_b2, s1.has_bias and need_b1
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(s2.act_dtype)
-        chunk = _chunk_rows(h, s2) if need_fc1 else None
+        chunk = _chunk_rows(h, s2, ctx.chunk_bytes) if need_fc1 else None
         g = db1 = None  # the activation's gradient (FP8, or high precision); fc1's dbias
         if chunk is None:
             da, dw2, db2 = linear_bwd(s2, dy, need_fc1, need_dw2, need_db2)

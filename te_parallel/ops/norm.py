@@ -3,22 +3,26 @@
 zero_centered_gamma: the stored weight is γ − 1 (initialised to 0), so weight decay pulls γ
 towards 1 rather than 0; the math uses (1 + weight).
 
-The native kernels (te_parallel.ops.native_norm: one read of x, fp32 math, 1 + weight taken in fp32,
-deterministic γ/β gradients) pay off where they fuse the FP8 cast (+transpose, +amax) into the norm:
-3.5-5.5x the unfused torch ops on an H200. For a high-precision output they do not: measured on an
-H200 (2026-11-22, 8192x4096 bf16) LayerNorm fwd+bwd took 0.271 ms native vs 0.229 ms torch, RMSNorm
-0.213 vs 0.205 ms. So `_NATIVE_HIGH_PRECISION` is off and the functions below keep the PyTorch ops;
-the native path stays available (and tested) for the fused FP8 output and can be switched on when the
-forward kernel beats torch.
+One rule decides between the native kernels (te_parallel.native.norm: one read of x, fp32 math,
+1 + weight taken in fp32, deterministic γ/β gradients) and torch's ops: the kernels make the FP8
+outputs (`layer_norm_fp8` / `rms_norm_fp8`, where native.norm.usable says they can run), and a
+high-precision norm is torch's. The kernels pay off where they fuse the FP8 cast (+transpose, +amax)
+into the norm: 3.5-5.5x the unfused torch ops on an H200. For a high-precision output they do not:
+measured on an H200 (2026-11-22, 8192x4096 bf16) LayerNorm fwd+bwd took 0.271 ms native vs 0.229 ms
+torch, RMSNorm 0.213 vs 0.205 ms. The native high-precision path stays callable (`native_layer_norm`,
+`native_rms_norm`: tests and benchmarks) for the day its forward beats torch's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-from te_parallel.ops import native_norm
+from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.native import norm as norm_kernels
+from te_parallel.ops.cast import quantize
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -32,28 +36,13 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
     return weight + 1 if zero_centered_gamma else weight
 
 
-_NATIVE_HIGH_PRECISION = False  # see the module docstring (measured slower than torch for bf16 out)
-
-
-def _use_native(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """The native kernels suit these tensors (checked cheaply; the extension is asked last)."""
-    dtypes = native_norm.NORM_DTYPES
-    return (_NATIVE_HIGH_PRECISION and x.is_cuda and x.dtype in dtypes and x.numel() > 0 and weight.dtype in dtypes and weight.dim() == 1
-            and weight.device == x.device and (bias is None or (bias.dtype == weight.dtype and bias.device == x.device))
-            and not torch.is_autocast_enabled("cuda") and not torch.compiler.is_compiling() and native_norm.available())
-
-
 def layer_norm(x, weight, bias, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
-    if _use_native(x, weight, bias):
-        return native_norm.layer_norm(x, weight, bias, eps, zero_centered_gamma)
     h = x.shape[-1]
     w = _gamma(weight, zero_centered_gamma).to(x.dtype)
     return F.layer_norm(x, (h,), w, None if bias is None else bias.to(x.dtype), eps)
 
 
 def rms_norm(x, weight, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
-    if _use_native(x, weight, None):
-        return native_norm.rms_norm(x, weight, eps, zero_centered_gamma)
     h = x.shape[-1]
     return F.rms_norm(x, (h,), _gamma(weight, zero_centered_gamma).to(x.dtype), eps)
 
@@ -63,6 +52,118 @@ def apply_norm(normalization: str, x, weight, bias: Optional[torch.Tensor], eps:
         return layer_norm(x, weight, bias, eps, zero_centered_gamma)
     return rms_norm(x, weight, eps, zero_centered_gamma)
 
+
+# ------------------------------------------------------------------------------------------------
+# Autograd over the native kernels (norm: "layer_norm" or "rms_norm", the kernels' names)
+
+def _backward(ctx, dy: torch.Tensor):
+    x, gamma, mu, rsigma = ctx.saved_tensors
+    dy = dy.to(x.dtype).contiguous()  # an expanded or other-dtype gradient: the kernel takes x's layout
+    dx, dgamma, dbeta = norm_kernels.backward(ctx.norm, dy, x, mu, rsigma, gamma, ctx.zero_centered_gamma,
+                                              ctx.has_beta)
+    needs = ctx.needs_input_grad
+    return (dx if needs[0] else None, dgamma if needs[1] else None, dbeta if needs[2] else None)
+
+
+class _NormFunction(torch.autograd.Function):
+    """y = norm(x) for a [rows, hidden] x: the native forward; backward: the native backward."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, beta, eps, zero_centered_gamma, norm):
+        out, mu, rsigma = norm_kernels.forward(norm, x, gamma, beta, eps, zero_centered_gamma, None, None)
+        ctx.save_for_backward(x, gamma, mu, rsigma)
+        ctx.norm, ctx.zero_centered_gamma, ctx.has_beta = norm, zero_centered_gamma, beta is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return (*_backward(ctx, dy), None, None, None)
+
+
+class _NormFP8Function(torch.autograd.Function):
+    """The FP8 forward (data, data_t) with a gradient carrier: a zero-storage [rows, hidden] tensor in
+    x's dtype through which the consumer of the FP8 bytes returns d(norm output)."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, beta, eps, zero_centered_gamma, norm, spec):
+        (data, data_t), mu, rsigma = norm_kernels.forward(norm, x, gamma, beta, eps, zero_centered_gamma, spec,
+                                                          None)
+        ctx.save_for_backward(x, gamma, mu, rsigma)
+        ctx.norm, ctx.zero_centered_gamma, ctx.has_beta = norm, zero_centered_gamma, beta is not None
+        carrier = x.new_zeros(()).expand(x.shape)  # [rows, hidden], stride (0, 0)
+        outs = (carrier, data) if data_t is None else (carrier, data, data_t)
+        ctx.mark_non_differentiable(*outs[1:])
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, *_fp8_grads):
+        return (*_backward(ctx, dy), None, None, None, None)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # [..., h] -> [rows, h]
+
+
+def native_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                      zero_centered_gamma: bool = False) -> torch.Tensor:
+    """LayerNorm by the native kernels (autograd), over the last dim of a CUDA x of any leading shape,
+    output in x's dtype. Not what layer_norm runs (torch's ops are faster for a high-precision output)."""
+    b = None if bias is None else bias.contiguous()
+    out = _NormFunction.apply(_as_rows(x), weight.contiguous(), b, eps, zero_centered_gamma, "layer_norm")
+    return out.view(x.shape)
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    zero_centered_gamma: bool = False) -> torch.Tensor:
+    """RMSNorm by the native kernels (autograd), as native_layer_norm."""
+    out = _NormFunction.apply(_as_rows(x), weight.contiguous(), None, eps, zero_centered_gamma, "rms_norm")
+    return out.view(x.shape)
+
+
+def _fp8(norm: str, x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, transpose):
+    scale = scale.detach().to(torch.float32).reshape(())
+    if not norm_kernels.usable(x, weight, bias):
+        # PyTorch: the high-precision y (autograd through torch's norm) is itself the carrier
+        y = layer_norm(x, weight, bias, eps, zero_centered_gamma) if norm == "layer_norm" else \
+            rms_norm(x, weight, eps, zero_centered_gamma)
+        y = y.reshape(-1, x.shape[-1])
+        return quantize(y, scale, fp8_dtype, amax_out=amax_out, transpose=transpose), y
+    spec = norm_kernels.FP8NormOutput(scale, fp8_dtype, amax_out, transpose)
+    outs = _NormFP8Function.apply(_as_rows(x), weight.contiguous(), None if bias is None else bias.contiguous(), eps,
+                                  zero_centered_gamma, norm, spec)
+    carrier, data = outs[0], outs[1]
+    data_t = outs[2] if len(outs) > 2 else None
+    return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t), carrier
+
+
+def layer_norm_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                   zero_centered_gamma: bool = False, *, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                   amax_out: Optional[torch.Tensor] = None,
+                   transpose: bool = True) -> Tuple[Float8Tensor, torch.Tensor]:
+    """LayerNorm straight to FP8, for a consumer that fuses it with its GEMM: (y8, carrier).
+
+    y8: Float8Tensor [rows, hidden] (rows = x.numel() // hidden) with data = fp8(y * scale), its
+    transposed copy when `transpose`, and scale_inv = 1 / scale; amax_out receives max |y|.
+    carrier: a [rows, hidden] tensor in x's dtype that carries the gradient: the consumer's autograd
+    Function takes it as an input and returns dL/dy (high precision) for it, which runs the norm's
+    backward into x, weight and bias. With the native kernels (native.norm.usable) the carrier has no
+    storage and y is never written in high precision; elsewhere y is torch's norm (the carrier) and
+    y8 its `quantize`.
+    """
+    return _fp8("layer_norm", x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, transpose)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False, *,
+                 scale: torch.Tensor, fp8_dtype: torch.dtype, amax_out: Optional[torch.Tensor] = None,
+                 transpose: bool = True) -> Tuple[Float8Tensor, torch.Tensor]:
+    """RMSNorm straight to FP8: (y8, carrier) as in layer_norm_fp8."""
+    return _fp8("rms_norm", x, weight, None, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, transpose)
+
+
+# ------------------------------------------------------------------------------------------------
+# fp64 references
 
 def layer_norm_reference(x, weight, bias, eps, zero_centered_gamma=False):
     x = x.double()

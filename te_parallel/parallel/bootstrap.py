@@ -1,7 +1,7 @@
 """Discover the world a launcher started: rank, world size, local rank and the rendezvous address.
 
 These functions only read what torchrun, SLURM's srun or mpirun put in place; they never call
-torch.distributed.init_process_group. The library does not own the world (STYLE rule 2): a script or
+torch.distributed.init_process_group. The library does not own the world (docs/architecture.md): a script or
 launch/common.py calls them and then initializes torch.distributed itself.
 
 Each returns a dict: {"rank", "world_size", "local_rank", "master_addr", "master_port", "launcher"}.

@@ -1,4 +1,4 @@
-"""Tensor- and sequence-parallel collectives, each a named autograd Function (STYLE.md 3).
+"""Tensor- and sequence-parallel collectives, each a named autograd Function (fwd and bwd stated together).
 
 Shapes are per rank, tp = group size, s = sequence (dim 0, sequence parallelism shards it):
 
@@ -10,7 +10,8 @@ Shapes are per rank, tp = group size, s = sequence (dim 0, sequence parallelism 
                     (norm γ/β, row-parallel bias) get partial gradients, summed over the group
 
 The plain helpers below (all_gather_dim0, reduce_scatter_dim0) move "a tensor" and know nothing
-of FP8; an FP8 gather moves the uint8 view of the bytes (STYLE.md 4).
+of FP8; an FP8 gather moves the uint8 view of the bytes (communication stays apart from
+the FP8 math).
 """
 from __future__ import annotations
 

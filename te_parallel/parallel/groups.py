@@ -1,4 +1,4 @@
-"""Validation of the tensor-parallel group a module is handed (no globals: STYLE.md 1, 2)."""
+"""Validation of the tensor-parallel group a module is handed (groups are passed in, never looked up)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -5,7 +5,7 @@
                                 ub_tp_comm_overlap=True, ub_comm=ub)
 
 Unlike TE, the returned `CommOverlap` is handed to the modules (`ub_comm=`); nothing is registered in
-a global under a string name (STYLE.md 1). `ub_name` and `ub_cfgs` still pick per-GEMM settings.
+a global under a string name. `ub_name` and `ub_cfgs` still pick per-GEMM settings (OverlapConfig).
 
 What it overlaps (tp = group size, M = tokens of the whole sequence, every tensor [rows, features]):
     column fprop  y = AG(x)·Wᵀ        ring: GEMM the chunk held while the next chunk is pulled
@@ -22,21 +22,23 @@ import datetime
 import pickle
 import socket
 import time
-from dataclasses import dataclass
+import copy
+import dataclasses
 from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from te_parallel import _native
+from te_parallel.native import comm_overlap as native_comm
 from te_parallel.parallel.groups import group_rank, group_size
 from te_parallel.parallel.ub_transport import IpcTransport, P2PTransport, warn_fallback
 
-__all__ = ["initialize_ub", "CommOverlap", "UbLayerConfig", "UB_NAMES"]
+from te_parallel.parallel.overlap_config import DEFAULT_OVERLAP, OverlapConfig
+
+__all__ = ["initialize_ub", "CommOverlap", "OverlapConfig", "UB_NAMES"]
 
 # TE's ub_name values, each with its fprop / dgrad / wgrad GEMMs.
 UB_NAMES = ("qkv", "proj", "fc1", "fc2")
-_METHODS = ("ring_exchange", "pipeline", "bulk", "off")
 # TE ub_cfgs keys that tune SM-driven communication kernels; te_parallel's copies use copy engines.
 _IGNORED_KEYS = {"num_sm", "cga_size", "set_sm_margin", "num_splits", "atomic_gemm", "fp8_buf",
                  "use_ce", "aggregate", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm",
@@ -44,33 +46,24 @@ _IGNORED_KEYS = {"num_sm", "cga_size", "set_sm_margin", "num_splits", "atomic_ge
 _BOOTSTRAPS = ("store", "gloo", "nccl", "mpi")
 
 
-@dataclass(frozen=True)
-class UbLayerConfig:
-    """Overlap of one GEMM ("<ub_name>_<fprop|dgrad|wgrad>"): method "off" disables it."""
-
-    method: str = "ring_exchange"
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"
-
-
-def _parse_cfgs(ub_cfgs: Optional[Dict[str, dict]]) -> Dict[str, UbLayerConfig]:
-    out: Dict[str, UbLayerConfig] = {}
+def _parse_cfgs(ub_cfgs: Optional[Dict[str, dict]], default: OverlapConfig) -> Dict[str, OverlapConfig]:
+    """{"<ub_name>_<fprop|dgrad|wgrad>": OverlapConfig}: `default` with each entry's fields replaced."""
+    out: Dict[str, OverlapConfig] = {}
     valid = {f"{n}_{p}" for n in UB_NAMES for p in ("fprop", "dgrad", "wgrad")}
+    fields = {f.name for f in dataclasses.fields(OverlapConfig)}
     for key, cfg in (ub_cfgs or {}).items():
         if key not in valid:
             raise ValueError(f"initialize_ub: ub_cfgs key {key!r} is not one of {sorted(valid)}")
         if not isinstance(cfg, dict):
             raise ValueError(f"initialize_ub: ub_cfgs[{key!r}] must be a dict, got {type(cfg).__name__}")
-        unknown = set(cfg) - _IGNORED_KEYS - {"method"}
+        unknown = set(cfg) - _IGNORED_KEYS - fields
         if unknown:
             raise ValueError(f"initialize_ub: ub_cfgs[{key!r}] has unknown keys {sorted(unknown)}; "
-                             f"known: 'method' ({', '.join(_METHODS)}) and TE's {sorted(_IGNORED_KEYS)}")
-        method = cfg.get("method", "ring_exchange")
-        if method not in _METHODS:
-            raise ValueError(f"initialize_ub: ub_cfgs[{key!r}]['method']={method!r}; need one of {_METHODS}")
-        out[key] = UbLayerConfig(method)
+                             f"known: OverlapConfig's {sorted(fields)} and TE's {sorted(_IGNORED_KEYS)}")
+        try:
+            out[key] = dataclasses.replace(default, **{k: v for k, v in cfg.items() if k in fields})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"initialize_ub: ub_cfgs[{key!r}]: {err}") from None
     return out
 
 
@@ -81,11 +74,12 @@ class CommOverlap:
     """
 
     def __init__(self, shape: Sequence[int], tp_group, use_fp8: bool, dtype: torch.dtype,
-                 cfgs: Dict[str, UbLayerConfig], transport, exchange: "_Exchange") -> None:
+                 cfgs: Dict[str, OverlapConfig], transport, exchange: "_Exchange",
+                 default: OverlapConfig = DEFAULT_OVERLAP, ub_cfgs: Optional[Dict[str, dict]] = None) -> None:
         self.shape, self.tp_group, self.use_fp8, self.dtype = tuple(shape), tp_group, use_fp8, dtype
         self.exchange = exchange
         self.tp_size, self.rank = group_size(tp_group), group_rank(tp_group)
-        self.cfgs, self.transport = cfgs, transport
+        self.cfgs, self.default, self.ub_cfgs, self.transport = cfgs, default, dict(ub_cfgs or {}), transport
         self.counts = {"all_gather": 0, "reduce_scatter": 0}  # ops issued (tests and benchmarks check the path)
         self._cuda = torch.cuda.is_available()  # (asked once: it reads the environment every call)
 
@@ -93,8 +87,19 @@ class CommOverlap:
     def transport_name(self) -> str:
         return self.transport.name
 
-    def config(self, ub_name: Optional[str], gemm: str) -> UbLayerConfig:
-        return self.cfgs.get(f"{ub_name}_{gemm}", UbLayerConfig()) if ub_name else UbLayerConfig()
+    def config(self, ub_name: Optional[str], gemm: str) -> OverlapConfig:
+        """The OverlapConfig of GEMM `gemm` ("fprop", "dgrad", "wgrad") of the layer named ub_name."""
+        return self.cfgs.get(f"{ub_name}_{gemm}", self.default) if ub_name else self.default
+
+    def with_config(self, config: OverlapConfig) -> "CommOverlap":
+        """This communicator (the same buffers, transport and op counters) with `config` as the default
+        OverlapConfig of its GEMMs; initialize_ub's ub_cfgs entries still change fields of it per GEMM.
+        Modules built with the returned object schedule their overlapped GEMMs by it."""
+        if not isinstance(config, OverlapConfig):
+            raise TypeError(f"CommOverlap.with_config: need a te_parallel.OverlapConfig, got {type(config).__name__}")
+        other = copy.copy(self)
+        other.default, other.cfgs = config, _parse_cfgs(self.ub_cfgs, config)
+        return other
 
     def check_group(self, owner: str, tp_group) -> None:
         if tp_group is not self.tp_group:
@@ -157,7 +162,7 @@ class CommOverlap:
 
 def initialize_ub(shape: Sequence[int], tp_group, use_fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
                   ub_cfgs: Optional[Dict[str, dict]] = None, bootstrap_backend: Optional[str] = None,
-                  timeout: float = 120.0) -> CommOverlap:
+                  timeout: float = 120.0, config: OverlapConfig = DEFAULT_OVERLAP) -> CommOverlap:
     """Collective over `tp_group`: make the buffers for overlapping its all-gathers / reduce-scatters.
 
     shape: [tokens of the whole sequence (s·b), hidden], the largest activation an overlapped GEMM
@@ -165,7 +170,9 @@ def initialize_ub(shape: Sequence[int], tp_group, use_fp8: bool = False, dtype: 
     TE code that passes tp_size, and means the world group). bootstrap_backend: how IPC handles are
     exchanged: "store" (the default: torch.distributed's key-value store), "gloo"/"nccl" (an all-gather
     on tp_group) or "mpi" (mpi4py, under mpirun). Every wait of the exchange is bounded by `timeout`
-    seconds and fails with the rank and the step that did not complete.
+    seconds and fails with the rank and the step that did not complete. config: the OverlapConfig of
+    every overlapped GEMM; ub_cfgs ({"<ub_name>_<fprop|dgrad|wgrad>": {field: value}}, TE's form)
+    changes fields of it for single GEMMs.
     """
     tp_group = _resolve_group(tp_group)
     tp = group_size(tp_group)
@@ -179,12 +186,14 @@ def initialize_ub(shape: Sequence[int], tp_group, use_fp8: bool = False, dtype: 
     backend = bootstrap_backend or "store"
     if backend not in _BOOTSTRAPS:
         raise ValueError(f"initialize_ub: bootstrap_backend={bootstrap_backend!r}; need one of {_BOOTSTRAPS}")
-    cfgs = _parse_cfgs(ub_cfgs)
+    if not isinstance(config, OverlapConfig):
+        raise TypeError(f"initialize_ub: config must be a te_parallel.OverlapConfig, got {type(config).__name__}")
+    cfgs = _parse_cfgs(ub_cfgs, config)
     rank = group_rank(tp_group)
     exchange = _Exchange(tp_group, backend, timeout)
     chunk_bytes = shape[0] // tp * shape[1] * torch.empty((), dtype=dtype).element_size()
     transport = _make_transport(tp_group, rank, tp, chunk_bytes, exchange)
-    return CommOverlap(shape, tp_group, use_fp8, dtype, cfgs, transport, exchange)
+    return CommOverlap(shape, tp_group, use_fp8, dtype, cfgs, transport, exchange, config, ub_cfgs)
 
 
 def _resolve_group(tp_group):
@@ -213,7 +222,7 @@ def _make_transport(tp_group, rank: int, tp: int, chunk_bytes: int, exchange: "_
     reason = None
     if device.type != "cuda":
         reason = "the tp_group runs on CPU (gloo)"
-    elif not _native.available():
+    elif not native_comm.usable():
         reason = "te_parallel._C is absent (built without nvcc)"
     hosts = exchange.allgather_obj((socket.gethostname(), reason), step="host check")
     reasons = [r for _, r in hosts if r]

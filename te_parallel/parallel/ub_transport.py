@@ -6,7 +6,8 @@ torch.distributed point-to-point as the fallback. Both offer the same two exchan
                   sum on its owner (`ReduceScatter`); the owner adds the tp partials in fp32, in rank
                   order, once
 
-Tensors here are plain ("a tensor": bf16, fp32 or the uint8 view of FP8 bytes; STYLE.md 4).
+Tensors here are plain ("a tensor": bf16, fp32 or the uint8 view of FP8 bytes); FP8 scales travel
+beside them, in the caller's Float8Tensor.
 
 IPC protocol (one shared buffer per rank, regions per channel, uint32 flags; gen = per-channel op
 counter, identical on all ranks because they issue the same ops in the same order):
@@ -21,8 +22,8 @@ The all-gather pushes (the producer copies into every consumer's region), the re
 ordinary lifetimes; only the small send regions are shared. Waits and signals are stream memory
 operations: no host round trip, no SM. Copies go straight between the two GPUs (NVLink/NVSwitch
 nodes are fully connected), in ring order me+1, me+2, ... so that at each step every rank talks to
-a different peer. The native calls (IpcTransport.gemm_rs / ag_gemm, csrc/comm_gemm_overlap) run
-the same protocol on the same counters.
+a different peer. The native calls (IpcTransport.gemm_rs / ag_gemm, te_parallel.native.comm_overlap)
+run the same protocol on the same counters.
 """
 from __future__ import annotations
 
@@ -32,11 +33,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from te_parallel import _native
+from te_parallel.native import comm_overlap as native_comm
+from te_parallel.native import launch_on
 
 AG, RS = 0, 1  # channels: all-gather (one chunk region) and reduce-scatter (tp chunk regions)
-_TEP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_GEMM_DTYPES = _native._DTYPES  # (the same codes, FP8 included, as every native call takes)
 
 
 def _slot_stride(nbytes: int) -> int:
@@ -55,7 +55,7 @@ def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> t
 def _current(device: torch.device) -> int:
     """The current cudaStream_t of `device` as an int (torch's C binding: the Python wrapper builds a
     Stream object per call, and an overlapped layer step asks ~40 times)."""
-    return _native.launch_on(device)[1]
+    return launch_on(device)[1]
 
 
 def _event(stream, timing: bool) -> torch.cuda.Event:
@@ -91,7 +91,8 @@ class _CudaArray:
 
 
 class IpcTransport:
-    """CUDA IPC buffers shared by the TP group (te_parallel._C.Communicator) and copy-engine copies."""
+    """CUDA IPC buffers shared by the TP group (te_parallel.native.comm_overlap.Communicator) and
+    copy-engine copies."""
 
     name = "ipc"
 
@@ -101,7 +102,7 @@ class IpcTransport:
         self.offsets = {AG: 0, RS: tp * self.chunk_bytes}  # [AG: tp chunk slots | RS: tp chunk slots]
         total = self.chunk_bytes * 2 * tp
         with torch.cuda.device(device):
-            self.comm = _native.load().Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
+            self.comm = native_comm.Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
             self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
             self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
         self.raw = {ch: st.cuda_stream for ch, st in self.streams.items()}  # the side streams' handles
@@ -150,7 +151,7 @@ class IpcTransport:
         ranks of a[rows of me]·bᵀ. a [tp·m, k], b [n, k]: contiguous, both FP8 (with their scale_inv)
         or both bf16/fp16. Same flags and values as IpcReduceScatter, so the two can alternate.
         own_group: pulled pieces per GEMM of the own partial."""
-        rows, k = a.shape
+        rows = a.shape[0]
         n = b.shape[0]
         m = rows // self.tp
         nbytes = _check_scatter(self, rows, n, out_dtype)
@@ -159,14 +160,11 @@ class IpcTransport:
         stream = _current(self.device)
         out = torch.empty((m, n), dtype=out_dtype, device=self.device)
         received = torch.empty((self.tp - 1, m, n), dtype=out_dtype, device=self.device)
-        workspace = _native.gemm_workspace(self.device, stream)
         starts = [r for r, _ in spans] + [m] if len(spans) > 1 else []
-        self.comm.gemm_rs(a.data_ptr(), _GEMM_DTYPES[a.dtype], b.data_ptr(), _GEMM_DTYPES[b.dtype],
-                          0 if a_scale_inv is None else a_scale_inv.data_ptr(),
-                          0 if b_scale_inv is None else b_scale_inv.data_ptr(), k, n, fast_accum,
-                          workspace.data_ptr(), workspace.numel(), m, _GEMM_DTYPES[out_dtype], out.data_ptr(),
-                          received.data_ptr(), self.offsets[RS], _slot_stride(nbytes), starts, own_group,
-                          self._ready(RS, 0), self._done(RS, 0), base, stream, self.raw[RS])
+        self.comm.gemm_rs(a, a_scale_inv, b, b_scale_inv, out, received, send_offset=self.offsets[RS],
+                          slot_stride=_slot_stride(nbytes), piece_starts=starts, own_group=own_group,
+                          ready_flag=self._ready(RS, 0), done_flag=self._done(RS, 0), value_base=base, stream=stream,
+                          side_stream=self.raw[RS], fast_accum=fast_accum)
         received.record_stream(self.streams[RS])  # (the copies write it there)
         return out
 
@@ -183,14 +181,9 @@ class IpcTransport:
         stream = _current(self.device)
         out = torch.empty((self.tp * m, n), dtype=out_dtype, device=self.device)
         gathered = torch.empty((self.tp * m, k), dtype=a.dtype, device=self.device) if keep_gathered else None
-        workspace = _native.gemm_workspace(self.device, stream)
-        self.comm.ag_gemm(a.data_ptr(), _GEMM_DTYPES[a.dtype], b.data_ptr(), _GEMM_DTYPES[b.dtype],
-                          0 if a_scale_inv is None else a_scale_inv.data_ptr(),
-                          0 if b_scale_inv is None else b_scale_inv.data_ptr(), k, n,
-                          0 if bias is None else bias.data_ptr(), fast_accum, workspace.data_ptr(), workspace.numel(),
-                          m, _GEMM_DTYPES[out_dtype], out.data_ptr(), 0 if gathered is None else gathered.data_ptr(),
-                          self.offsets[AG], self.chunk_bytes, self._ready(AG, 0), self._done(AG, 0), self.gen[AG],
-                          stream, self.raw[AG])
+        self.comm.ag_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, gathered, recv_offset=self.offsets[AG],
+                          slot_bytes=self.chunk_bytes, ready_flag=self._ready(AG, 0), done_flag=self._done(AG, 0),
+                          value=self.gen[AG], stream=stream, side_stream=self.raw[AG], fast_accum=fast_accum)
         a.record_stream(self.streams[AG])  # (the pushes read it there)
         return out, gathered
 
@@ -390,8 +383,7 @@ class IpcReduceScatter:
         return self.out
 
     def _sum(self, parts, out, stream) -> None:
-        _native.load().reduce_sum([p.data_ptr() for p in parts], _TEP_DTYPES[self.dtype], out.data_ptr(),
-                                  _TEP_DTYPES[out.dtype], out.numel(), stream.cuda_stream)
+        native_comm.reduce_sum(parts, out, stream.cuda_stream)
 
 
 class P2PTransport:

@@ -47,8 +47,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     # a hung collective fails the test with every thread's stack instead of hanging it
     faulthandler.dump_traceback_later(int(os.environ.get("TE_PARALLEL_TEST_HANG_S", "600")), exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    from te_parallel import recipe
-    recipe.DEFAULT_MIN_FP8_GEMM = 0  # the tests' small GEMMs must run in FP8 on CUDA too
     cuda = use_cuda(world)
     if cuda:
         torch.cuda.set_device(rank)

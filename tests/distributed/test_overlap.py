@@ -100,17 +100,16 @@ def _linear_case(mode, bias, recipe_name, rank, world, group, device, ub, seq=64
     name = f"Linear {mode} bias={bias} fp8={recipe_name}{' rs_dgrad' if rs_dgrad else ''}"
     # FP8 AG+GEMM through the native schedule runs te_parallel's cuBLASLt call, the reference torch's
     # _scaled_mm: two callers of cuBLASLt whose kernels may differ, so no bit-exactness is claimed
-    exact = not (recipe is not None and ub.transport_name == "ipc" and _native_schedule())
+    exact = not (recipe is not None and ub.transport_name == "ipc" and _native_schedule(ub))
     _compare(name, got, want, exact_out=(mode == "column" and exact), exact_dx=(mode == "row" and exact), tol=tol)
     if recipe_name == "delayed":  # the overlapped path fed the same amaxes into the scale update
         assert torch.equal(ovl.fp8_state.fwd_scale, ref.fp8_state.fwd_scale), name
 
 
-def _native_schedule():
-    from te_parallel import _native
-    from te_parallel.ops import linear_overlap
+def _native_schedule(ub):
+    from te_parallel.native import gemm as native_gemm
 
-    return linear_overlap.NATIVE_SCHEDULE and _native.gemm_usable()
+    return ub.default.native_schedule and native_gemm.usable()
 
 
 def _transformer_case(recipe_name, rank, world, group, device, ub, seq=64, hidden=128, rs_dgrad=False):
@@ -198,38 +197,32 @@ def _pieced_linear(rank, world, group, device, ub):
     """The row-parallel Linear cases again with pieces short enough to run gemm_rs's TP=2 pieced
     schedule at these sizes (64 rows per rank: 4 pieces of 16 rows), issued by the native call (own
     partial per piece and per two pieces) and from Python, checking which ran."""
-    from te_parallel import _native
-    from te_parallel.ops import linear_overlap
+    from te_parallel.native import gemm as native_gemm
     from te_parallel.parallel import ub_transport
 
     calls = []
     finish, native = ub_transport.IpcReduceScatter.finish_accumulated, ub_transport.IpcTransport.gemm_rs
-    saved = (linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE, linear_overlap.RS_PIECES,
-             linear_overlap.RS_OWN_GROUP)
     ub_transport.IpcReduceScatter.finish_accumulated = lambda self, out: calls.append(("python", len(self.pieces))) \
         or finish(self, out)
     ub_transport.IpcTransport.gemm_rs = lambda self, *a: calls.append(("native", a[5])) or native(self, *a)
-    linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.RS_PIECES = 16, 4
     try:
         for schedule, own_group in ((True, 1), (True, 2), (False, 1)):
-            linear_overlap.NATIVE_SCHEDULE, linear_overlap.RS_OWN_GROUP = schedule, own_group
+            cfg = te.OverlapConfig(rs_min_piece_rows=16, rs_pieces=4, native_schedule=schedule, rs_own_group=own_group)
             for bias in (False, True):
                 for rec in ("off", "delayed", "current"):
-                    _linear_case("row", bias, rec, rank, world, group, device, ub, seq=64)
+                    _linear_case("row", bias, rec, rank, world, group, device, ub.with_config(cfg), seq=64)
     finally:
-        (linear_overlap.RS_MIN_PIECE_ROWS, linear_overlap.NATIVE_SCHEDULE, linear_overlap.RS_PIECES,
-         linear_overlap.RS_OWN_GROUP) = saved
         ub_transport.IpcReduceScatter.finish_accumulated, ub_transport.IpcTransport.gemm_rs = finish, native
-    first = "native" if _native.gemm_usable() else "python"
+    first = "native" if native_gemm.usable() else "python"
     assert calls == [(first, 4)] * 12 + [("python", 4)] * 6, calls  # one pieced reduce-scatter per forward
 
 
 def _native_rs_whole(rank, world, group, device, ub):
     """The native schedule with whole partials (any TP: the fp32 sum pass) against NCCL, FP8 and bf16."""
-    from te_parallel import _native
+    from te_parallel.native import gemm as native_gemm
     from te_parallel.ops.cast import quantize_current
 
-    if not _native.gemm_usable():
+    if not native_gemm.usable():
         return
     gen = torch.Generator().manual_seed(5)
     a_all = torch.randn(world, 64 * world, 96, generator=gen)
@@ -252,18 +245,17 @@ def _native_rs_whole(rank, world, group, device, ub):
     # bad arguments fail on every rank before anything is enqueued (so no rank waits for another)
     comm, a16, w16 = ub.transport.comm, a.to(torch.bfloat16), w.to(torch.bfloat16)
     out = torch.empty(64, 48, device=device, dtype=torch.bfloat16)
-    args = dict(a=a16.data_ptr(), a_dtype=2, b=w16.data_ptr(), b_dtype=2, scale_a=0, scale_b=0, k=96, n=48,
-                fast_accum=False, workspace=0, workspace_bytes=0, m=64, out_dtype=2, out=out.data_ptr(),
-                received=out.data_ptr(), send_offset=0, slot_stride=64 * 48 * 2, piece_starts=[], own_group=1,
-                ready_flag=0, done_flag=0, value_base=0, stream=0, side_stream=0)
+    operands = (a16, None, w16, None, out, out)  # a [64·world, 96], b [48, 96], out (and received) [64, 48]
+    args = dict(send_offset=0, slot_stride=64 * 48 * 2, piece_starts=[], own_group=1, ready_flag=0, done_flag=0,
+                value_base=0, stream=0, side_stream=0)
     with pytest.raises(RuntimeError, match="own_group=0 .* need m >= 1"):
-        comm.gemm_rs(**(args | dict(own_group=0)))
+        comm.gemm_rs(*operands, **(args | dict(own_group=0)))
     if world == 2:
         with pytest.raises(RuntimeError, match="piece_starts must rise strictly from 0 to m=64"):
-            comm.gemm_rs(**(args | dict(piece_starts=[0, 48, 32, 64])))
+            comm.gemm_rs(*operands, **(args | dict(piece_starts=[0, 48, 32, 64])))
     else:
         with pytest.raises(RuntimeError, match="more than 1 only at world size 2"):
-            comm.gemm_rs(**(args | dict(piece_starts=[0, 32, 64])))
+            comm.gemm_rs(*operands, **(args | dict(piece_starts=[0, 32, 64])))
 
 
 def _suite(rank, world, device):
@@ -312,7 +304,7 @@ def _bad_arguments(rank, world, group, device, ub):
         (dict(dtype=torch.int32), ValueError, "dtype=torch.int32"),
         (dict(bootstrap_backend="tcp"), ValueError, "bootstrap_backend='tcp'"),
         (dict(ub_cfgs={"qkv_fprob": {}}), ValueError, "ub_cfgs key 'qkv_fprob'"),
-        (dict(ub_cfgs={"qkv_fprop": {"method": "magic"}}), ValueError, "method']='magic'"),
+        (dict(ub_cfgs={"qkv_fprop": {"method": "magic"}}), ValueError, r"ub_cfgs\['qkv_fprop'\]: OverlapConfig.method='magic'"),
         (dict(ub_cfgs={"qkv_fprop": {"colour": 1}}), ValueError, r"unknown keys \['colour'\]"),
     ]
     for kw, err, match in cases:

@@ -48,7 +48,7 @@ def test_overlap_gives_the_same_losses(tmp_path):
 
 
 def test_tp2_sp_matches_tp1_same_seed(tmp_path, monkeypatch):
-    """Parity gate (STYLE.md 11): the same seed gives the same losses with TP=1 and TP=2 + SP (fp32, no FP8)."""
+    """Parity across layouts: the same seed gives the same losses with TP=1 and TP=2 + SP (fp32, no FP8)."""
     args = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--micro-batch", "8", "--steps", "12",
             "--warmup", "4", "--eval-every", "12", "--eval-batches", "2", "--corpus-bytes", str(1 << 20),
             "--device", "cpu", "--quiet", "--no-plot", "--fp8", "off"]

@@ -47,23 +47,28 @@ def all_cases():
     return cases + [Case("mlp-chunked", sp, bias, rec) for sp in (False, True) for bias in (True, False) for rec in RECIPES]
 
 
+def _chunk_16_rows(module) -> None:
+    """mlp-chunked: the fused MLP backward makes fc2's dgrad output 16 rows at a time (ops/mlp.py)."""
+    w2 = module.fc2_weight  # [hidden, ffn on this rank]: a row of fc2's input is ffn elements
+    module.bwd_chunk_bytes = 16 * w2.shape[1] * w2.element_size()
+
+
 @contextlib.contextmanager
 def _mlp_chunks(case: Case):
-    """mlp-chunked: the fused MLP backward makes fc2's dgrad output 16 rows at a time (ops/mlp.py)."""
+    """mlp-chunked: counts the row chunks of the MLP backward (_chunk_16_rows set them up)."""
     if case.module != "mlp-chunked":
         yield
         return
     from te_parallel.ops import mlp
 
-    saved, real_fp8, real_hp = mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows, mlp._dact_into
+    real_fp8, real_hp = mlp.GemmFP8.cast_dactivation_rows, mlp._dact_into
     chunks = []
-    mlp._chunk_rows = lambda h, s2: 16 if h.shape[0] > 16 and not s2.par.overlap_dgrad else None
     mlp.GemmFP8.cast_dactivation_rows = lambda self, *a: chunks.append(1) or real_fp8(self, *a)
     mlp._dact_into = lambda *a: chunks.append(1) or real_hp(*a)
     try:
         yield
     finally:
-        mlp._chunk_rows, mlp.GemmFP8.cast_dactivation_rows, mlp._dact_into = saved, real_fp8, real_hp
+        mlp.GemmFP8.cast_dactivation_rows, mlp._dact_into = real_fp8, real_hp
     assert len(chunks) > 1, f"{case}: the MLP backward did not run in row chunks ({len(chunks)})"
 
 
@@ -73,8 +78,11 @@ def _build(case: Case, tp: int, group, device):
     act = "gelu" if case.bias else "swiglu"
     if case.module.startswith("mlp"):
         init = dict(init_method=lambda w: torch.nn.init.normal_(w, 0, 0.1))
-        return (te.LayerNormMLP(H, N, activation=act, **init, **kw),
+        mods = (te.LayerNormMLP(H, N, activation=act, **init, **kw),
                 te.LayerNormMLP(H, N, activation=act, set_parallel_mode=True, **tpkw, **kw))
+        for m in mods if case.module == "mlp-chunked" else ():
+            _chunk_16_rows(m)
+        return mods
     if case.module == "lnlinear-column":
         return te.LayerNormLinear(H, N, **kw), te.LayerNormLinear(H, N, parallel_mode="column", **tpkw, **kw)
     mode = case.module.split("-")[1]

@@ -15,11 +15,3 @@ def device() -> str:
         pytest.skip(f"needs compute capability >= 8.9 for FP8, this GPU has {major}.{minor}")
     return "cuda"
 
-
-@pytest.fixture(autouse=True)
-def _every_gemm_in_fp8(monkeypatch):
-    """The CPU suite's shapes are small: keep their GEMMs in FP8 on CUDA (the small-GEMM fallback has
-    its own test, which sets the threshold itself)."""
-    from te_parallel import recipe
-
-    monkeypatch.setattr(recipe, "DEFAULT_MIN_FP8_GEMM", 0)

@@ -1,4 +1,5 @@
-"""Native bias + activation kernels (forward; dact + dbias + FP8 cast-transpose backward).
+"""Native bias + activation kernels (te_parallel.native.activation: forward; dact + dbias + FP8
+cast-transpose backward), and the autograd Function and FP8 entry points over them (te_parallel.ops.activation).
 
 High-precision outputs vs fp64 references built from the formulas (te_parallel.ops.activation), with
 the tolerance "max |error| <= 3 x the max |error| of the same op done with PyTorch ops in the same dtype,
@@ -10,17 +11,16 @@ every float and FP8 format), so an element the kernel fails to write shows up.
 import pytest
 import torch
 
-from te_parallel import _native
+from te_parallel import native
+from te_parallel.native import activation as na
+from te_parallel.native import cast as native_cast
 from te_parallel.ops import activation as act_ops
-from te_parallel.ops import native_activation as na
 from te_parallel.ops.cast import quantize_reference
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-if not _native.available():
+if not native.available():
     pytest.skip("te_parallel._C is absent (built without nvcc)", allow_module_level=True)
-if not hasattr(_native.load(), "bias_activation_fwd"):
-    pytest.skip("te_parallel._C was built without the activation kernels; rebuild", allow_module_level=True)
 
 ACTS = act_ops.ACTIVATIONS
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -69,7 +69,7 @@ def _assert_close(out, ref, torch_out, dtype, what):
 def _torch_grads(name, x, bias, dy):
     xt = x.clone().requires_grad_(True)
     bt = bias.clone().requires_grad_(True) if bias is not None else None
-    na.bias_activation_torch(name, xt, bt).backward(dy)
+    act_ops.bias_activation_torch(name, xt, bt).backward(dy)
     dbias = bt.grad if bt is not None else xt.grad.float().sum(0).to(x.dtype)
     return xt.grad, dbias
 
@@ -81,9 +81,10 @@ def _torch_grads(name, x, bias, dy):
 def test_forward_vs_fp64(name, with_bias, dtype, shape):
     x, bias, _ = _inputs(name, shape, dtype, with_bias)
     _poison(x.numel() * x.element_size())
-    y, none = na.bias_activation_forward(name, x, bias)
-    assert none is None and y.shape == (shape[0], shape[1]) and y.dtype == dtype
-    _assert_close(y, na.bias_activation_reference(name, x, bias), na.bias_activation_torch(name, x, bias), dtype, "y")
+    y, none, none_t = na.bias_activation_forward(name, x, bias)
+    assert none is None and none_t is None and y.shape == (shape[0], shape[1]) and y.dtype == dtype
+    _assert_close(y, act_ops.bias_activation_reference(name, x, bias), act_ops.bias_activation_torch(name, x, bias),
+                  dtype, "y")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids(SHAPES))
@@ -93,9 +94,10 @@ def test_forward_vs_fp64(name, with_bias, dtype, shape):
 def test_backward_vs_fp64(name, with_bias, dtype, shape):
     x, bias, dy = _inputs(name, shape, dtype, with_bias)
     _poison(2 * x.numel() * x.element_size())
-    dx, dbias, none = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True)
-    assert none is None and dx.shape == x.shape and dbias.shape == (x.shape[1],) and dbias.dtype == dtype
-    ref_dx, ref_dbias = na.dbias_dactivation_reference(name, dy, x, bias)
+    dx, dbias, none, none_t = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True)
+    assert none is None and none_t is None and dx.shape == x.shape and dbias.shape == (x.shape[1],)
+    assert dbias.dtype == dtype
+    ref_dx, ref_dbias = act_ops.dbias_dactivation_reference(name, dy, x, bias)
     torch_dx, torch_dbias = _torch_grads(name, x, bias, dy)
     _assert_close(dx, ref_dx, torch_dx, dtype, "dx")
     _assert_close(dbias, ref_dbias, torch_dbias, dtype, "dbias")
@@ -122,15 +124,16 @@ def test_forward_fp8_bit_exact(name, dtype, fp8, shape):
     scale = torch.tensor([8.0], device="cuda")
     amax = torch.tensor([0.25], device="cuda")
     _poison(4 * x.numel() * x.element_size())
-    y, f8 = na.bias_activation_forward(name, x, bias, fp8_dtype=fp8, scale=scale, amax_out=amax, transpose=True)
+    y, data, data_t = na.bias_activation_forward(name, x, bias, fp8_dtype=fp8, scale=scale, amax_out=amax,
+                                                 transpose=True)
     ref = quantize_reference(y.cpu(), scale.cpu(), fp8)
-    assert torch.equal(f8.data.cpu().view(torch.uint8), ref.view(torch.uint8))
-    assert torch.equal(f8.data_t.cpu().view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+    assert torch.equal(data.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data_t.cpu().view(torch.uint8), ref.t().contiguous().view(torch.uint8))
     assert amax.item() == max(0.25, y.float().abs().max().item())
-    assert f8.scale_inv.item() == (1.0 / scale).item()
-    none, f8_only = na.bias_activation_forward(name, x, bias, high_precision=False, fp8_dtype=fp8, scale=scale)
-    assert none is None and f8_only.data_t is None
-    assert torch.equal(f8_only.data.view(torch.uint8), f8.data.view(torch.uint8))
+    none, data_only, none_t = na.bias_activation_forward(name, x, bias, high_precision=False, fp8_dtype=fp8,
+                                                         scale=scale)
+    assert none is None and none_t is None
+    assert torch.equal(data_only.view(torch.uint8), data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=_ids(FP8_SHAPES))
@@ -143,18 +146,19 @@ def test_backward_fp8_bit_exact(name, dtype, fp8, shape):
     scale = torch.tensor([8.0], device="cuda")
     amax = torch.tensor([0.25], device="cuda")
     _poison(6 * x.numel() * x.element_size())
-    dx, dbias, f8 = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True, fp8_dtype=fp8, scale=scale,
-                                                  amax_out=amax, transpose=True)
+    dx, dbias, data, data_t = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True, fp8_dtype=fp8,
+                                                            scale=scale, amax_out=amax, transpose=True)
     ref = quantize_reference(dx.cpu(), scale.cpu(), fp8)
-    assert torch.equal(f8.data.cpu().view(torch.uint8), ref.view(torch.uint8))
-    assert torch.equal(f8.data_t.cpu().view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+    assert torch.equal(data.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data_t.cpu().view(torch.uint8), ref.t().contiguous().view(torch.uint8))
     assert amax.item() == max(0.25, dx.float().abs().max().item())
     # FP8 + dbias without dx (the fused fc1 backward): same bytes, same dbias bits
-    none, dbias2, f8_only = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True, high_precision=False,
-                                                          fp8_dtype=fp8, scale=scale, transpose=True)
+    none, dbias2, data2, data2_t = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True,
+                                                                 high_precision=False, fp8_dtype=fp8, scale=scale,
+                                                                 transpose=True)
     assert none is None and torch.equal(dbias2, dbias)
-    assert torch.equal(f8_only.data.view(torch.uint8), f8.data.view(torch.uint8))
-    assert torch.equal(f8_only.data_t.view(torch.uint8), f8.data_t.view(torch.uint8))
+    assert torch.equal(data2.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(data2_t.view(torch.uint8), data_t.view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", ["gelu", "swiglu"])
@@ -163,12 +167,13 @@ def test_fp8_entry_points_match_quantize(name):
 
     x, bias, dy = _inputs(name, (96, 256), torch.bfloat16, True, seed=3)
     scale = torch.tensor(4.0, device="cuda")
-    f8 = na.bias_activation_fp8(name, x, bias, scale, torch.float8_e4m3fn)
+    f8 = act_ops.bias_activation_fp8(name, x, bias, scale, torch.float8_e4m3fn)
     q = quantize(na.bias_activation_forward(name, x, bias)[0], scale, torch.float8_e4m3fn, transpose=True)
     assert torch.equal(f8.data.view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(f8.data_t.view(torch.uint8), q.data_t.view(torch.uint8))
-    g8, dbias = na.dbias_dactivation_fp8(name, dy, x, bias, scale, torch.float8_e5m2)
-    dx, dbias_ref, _ = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True)
+    assert f8.scale_inv.item() == (1.0 / scale).item()
+    g8, dbias = act_ops.dbias_dactivation_fp8(name, dy, x, bias, scale, torch.float8_e5m2)
+    dx, dbias_ref, _, _ = na.dbias_dactivation_backward(name, dy, x, bias, need_dbias=True)
     q = quantize(dx, scale, torch.float8_e5m2, transpose=True)
     assert torch.equal(g8.data_t.view(torch.uint8), q.data_t.view(torch.uint8)) and torch.equal(dbias, dbias_ref)
 
@@ -185,17 +190,18 @@ def test_autograd_path(name):
     dy = torch.randn_like(y)
     y.backward(dy)
     x2d, dy2d = x.detach().reshape(-1, cols), dy.reshape(-1, n)
-    ref_y = na.bias_activation_reference(name, x2d, bias.detach())
-    ref_dx, ref_db = na.dbias_dactivation_reference(name, dy2d, x2d, bias.detach())
+    ref_y = act_ops.bias_activation_reference(name, x2d, bias.detach())
+    ref_dx, ref_db = act_ops.dbias_dactivation_reference(name, dy2d, x2d, bias.detach())
     torch_dx, torch_db = _torch_grads(name, x2d, bias.detach(), dy2d)
-    _assert_close(y.detach().reshape(-1, n), ref_y, na.bias_activation_torch(name, x2d, bias.detach()),
+    _assert_close(y.detach().reshape(-1, n), ref_y, act_ops.bias_activation_torch(name, x2d, bias.detach()),
                   torch.bfloat16, "y")
     _assert_close(x.grad.reshape(-1, cols), ref_dx, torch_dx, torch.bfloat16, "dx")
     _assert_close(bias.grad, ref_db, torch_db, torch.bfloat16, "dbias")
     # no bias, non-contiguous input, dy broadcast from a sum (stride 0)
     xt = x.detach().transpose(0, 1).requires_grad_(True)
     act_ops.apply_activation(name, xt).sum().backward()
-    ref_dx, _ = na.dbias_dactivation_reference(name, torch.ones(15, n, device="cuda"), xt.detach().reshape(-1, cols))
+    ref_dx, _ = act_ops.dbias_dactivation_reference(name, torch.ones(15, n, device="cuda"),
+                                                    xt.detach().reshape(-1, cols))
     assert (xt.grad.reshape(-1, cols).double() - ref_dx).abs().max().item() <= 2**-7 * ref_dx.abs().max().item()
 
 
@@ -204,12 +210,13 @@ def test_row_tiles_beyond_grid_limit():
     rows = 65535 * 64 + 100
     x = (torch.randn(rows, 8, device="cuda") * 3).to(torch.bfloat16)
     scale, amax = torch.tensor([2.0], device="cuda"), torch.zeros(1, device="cuda")
-    y, f8 = na.bias_activation_forward("gelu", x, None, fp8_dtype=torch.float8_e4m3fn, scale=scale, amax_out=amax)
-    _assert_close(y, na.bias_activation_reference("gelu", x), na.bias_activation_torch("gelu", x), torch.bfloat16, "y")
+    y, y8, _ = na.bias_activation_forward("gelu", x, None, fp8_dtype=torch.float8_e4m3fn, scale=scale, amax_out=amax)
+    _assert_close(y, act_ops.bias_activation_reference("gelu", x), act_ops.bias_activation_torch("gelu", x),
+                  torch.bfloat16, "y")
     ref = quantize_reference(y, scale, torch.float8_e4m3fn)
-    assert torch.equal(f8.data.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(y8.view(torch.uint8), ref.view(torch.uint8))
     assert amax.item() == y.float().abs().max().item()
-    data, data_t = _native.cast_transpose_amax(x, scale, torch.float8_e4m3fn, None, transpose=True)
+    data, data_t = native_cast.cast_transpose_amax(x, scale, torch.float8_e4m3fn, None, transpose=True)
     ref = quantize_reference(x, scale, torch.float8_e4m3fn)
     assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(data_t.view(torch.uint8), ref.t().contiguous().view(torch.uint8))

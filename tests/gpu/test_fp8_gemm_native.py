@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from te_parallel import _native
-from te_parallel.ops import gemm
+from te_parallel import native
+from te_parallel.native import gemm as native_gemm
 from te_parallel.ops.cast import quantize_current
 from tests.reference import fp8_gemm_tol
 
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("needs compute capability >= 8.9 for FP8", allow_module_level=True)
-if not _native.gemm_usable():
+if not native_gemm.usable():
     pytest.skip("te_parallel._C is absent or cuBLASLt did not open", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +51,7 @@ def test_native_matches_scaled_mm(m, k, n, types, out_dtype, with_bias):
     a, b = _q((m, k), types[0], m + k), _q((n, k), types[1], n + 7, mag=0.5)
     bias = torch.randn(n, device="cuda").to(out_dtype) if with_bias and out_dtype != torch.float32 else None
     out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)  # poisoned
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
     want = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias,
                             out_dtype=out_dtype)
     assert not out.isnan().any()
@@ -67,9 +67,9 @@ def test_accumulate_is_one_rounding(out_dtype, fast_accum):
     a, b = _q((m, k), E4, 1), _q((n, k), E4, 2)
     c = (torch.randn(m, n, device="cuda") * 8).to(out_dtype)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=c, fast_accum=fast_accum)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=c, fast_accum=fast_accum)
     acc32 = torch.empty(m, n, device="cuda")
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, acc32, fast_accum=fast_accum)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, acc32, fast_accum=fast_accum)
     # the two plans (with / without C) may be different kernels, whose fp32 accumulation orders differ
     # by a few fp32 ulps of the sum of |products|: that is the scale of an fp32 D's comparison
     products = (a.data.float() * a.scale_inv).abs() @ (b.data.float() * b.scale_inv).abs().t()
@@ -89,8 +89,8 @@ def test_accumulate_in_place_and_into_row_slices():
     big[m + 1 : 2 * m + 1] = c
     view = big[m + 1 : 2 * m + 1]  # a 1-row offset: 64-byte aligned, so the plan is not the 256-byte one
     want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, want, accumulate=c)
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, view, accumulate=view)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, want, accumulate=c)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, view, accumulate=view)
     # (another alignment, so maybe another kernel: its fp32 accumulation order may move the last bit)
     _close(view, want, torch.bfloat16, ulps=1.0, scale=want.abs() + c.abs())
     assert big[: m + 1].isnan().all() and big[2 * m + 1 :].isnan().all()
@@ -99,27 +99,28 @@ def test_accumulate_in_place_and_into_row_slices():
 def test_plans_are_cached():
     a, b = _q((32, 64), E4, 5), _q((48, 64), E4, 6)
     out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
-    before = _native.load().gemm_cached_plans()
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    before = native_gemm.cached_plans()
     for _ in range(3):
-        _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
-    assert _native.load().gemm_cached_plans() == before
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
-    assert _native.load().gemm_cached_plans() == before + 1  # C changes the plan
+        native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    assert native_gemm.cached_plans() == before
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
+    assert native_gemm.cached_plans() == before + 1  # C changes the plan
 
 
 def test_bad_arguments_fail_with_one_line():
     a, b = _q((32, 64), E4, 7), _q((48, 64), E4, 8)
     out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
-    module = _native.load()
+    module, code = native.load(), native.DTYPES  # the C API's own checks, below the wrapper's
+    e4, e5, bf16 = code[torch.float8_e4m3fn], code[torch.float8_e5m2], code[torch.bfloat16]
     with pytest.raises(RuntimeError, match="m=8 n=48 k=64; need each >= 16 and a multiple of 16"):
-        module.gemm(a.data.data_ptr(), 3, b.data.data_ptr(), 3, 8, 48, 64, a.scale_inv.data_ptr(),
-                    b.scale_inv.data_ptr(), 0, out.data_ptr(), 2, 0, False, 0, 0, 0)
+        module.gemm(a.data.data_ptr(), e4, b.data.data_ptr(), e4, 8, 48, 64, a.scale_inv.data_ptr(),
+                    b.scale_inv.data_ptr(), 0, out.data_ptr(), bf16, 0, False, 0, 0, 0)
     with pytest.raises(RuntimeError, match=r"need FP8 E4M3/E5M2 operands \(not both E5M2\), or both bf16"):
-        module.gemm(a.data.data_ptr(), 4, b.data.data_ptr(), 4, 32, 48, 64, a.scale_inv.data_ptr(),
-                    b.scale_inv.data_ptr(), 0, out.data_ptr(), 2, 0, False, 0, 0, 0)
+        module.gemm(a.data.data_ptr(), e5, b.data.data_ptr(), e5, 32, 48, 64, a.scale_inv.data_ptr(),
+                    b.scale_inv.data_ptr(), 0, out.data_ptr(), bf16, 0, False, 0, 0, 0)
     with pytest.raises(ValueError, match=r"fp8_gemm: got a .*need FP8 a \[m, k\], b \[n, k\]"):
-        _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
+        native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
 
 
 def test_tune_times_the_candidates_and_choose_switches_them():
@@ -129,36 +130,37 @@ def test_tune_times_the_candidates_and_choose_switches_them():
     a, b = _q((m, k), E4, 11), _q((n, k), E5, 12)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
     heuristic = out.clone()
-    times, chosen = _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias, rounds=3, reps=2)
+    times, chosen = native_gemm.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias, rounds=3, reps=2)
     assert 1 <= len(times) <= 8 and 0 <= chosen < len(times)
     assert times[chosen] > 0 and all(t < 0 or times[chosen] <= t for t in times)
     out.fill_(float("nan"))
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)  # the chosen candidate
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)  # the chosen candidate
     exact = (a.data.double() * a.scale_inv.double()) @ (b.data.double() * b.scale_inv.double()).t() + bias.double()
     rel = ((out.double() - exact).norm() / exact.norm()).item()
     assert rel < 4 * ULP[torch.bfloat16] + fp8_gemm_tol("cuda"), rel
-    _native.gemm_choose(a.data, a.scale_inv, b.data, b.scale_inv, out, 0, bias=bias)
-    _native.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
+    native_gemm.gemm_choose(a.data, a.scale_inv, b.data, b.scale_inv, out, 0, bias=bias)
+    native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out, bias=bias)
     assert torch.equal(out, heuristic)
     with pytest.raises(RuntimeError, match=f"tep_gemm_choose: index {len(times)}; this plan has {len(times)} candidates"):
-        _native.gemm_choose(a.data, a.scale_inv, b.data, b.scale_inv, out, len(times), bias=bias)
+        native_gemm.gemm_choose(a.data, a.scale_inv, b.data, b.scale_inv, out, len(times), bias=bias)
 
 
 def test_tune_rejects_bad_arguments():
     a, b = _q((32, 64), E4, 13), _q((48, 64), E4, 14)
     out = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"rounds must be an int in \[1, 16\] and reps an int >= 1, got 0, 5"):
-        _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, rounds=0)
+        native_gemm.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, rounds=0)
     with pytest.raises(ValueError, match="accumulate is out itself"):
-        _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
+        native_gemm.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate=out)
     with pytest.raises(ValueError, match=r"gemm_tune: got a .*need FP8 a \[m, k\]"):
-        _native.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
+        native_gemm.gemm_tune(a.data, a.scale_inv, b.data, b.scale_inv, out.t())
 
 
-def test_linear_with_native_gemm_matches_scaled_mm(monkeypatch):
-    """A te.Linear FP8 step with every GEMM through the native call: the same outputs and gradients."""
+def test_linear_with_native_gemm_matches_scaled_mm():
+    """A te.Linear FP8 step with every GEMM through the native call (the default MMParams) gives the
+    outputs and gradients of the same step through torch._scaled_mm (MMParams(backend="torch"))."""
     import te_parallel as te
     from te_parallel import recipe
 
@@ -167,28 +169,28 @@ def test_linear_with_native_gemm_matches_scaled_mm(monkeypatch):
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(256, 768, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def step(rec):
         xi = x.clone().requires_grad_(True)
-        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        with te.fp8_autocast(fp8_recipe=rec):
             y = lin(xi)
         y.backward(dy)
         grads = (xi.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
         lin.zero_grad(set_to_none=True)
         return (y.detach(), *grads)
 
-    want = step()
-    monkeypatch.setattr(gemm, "NATIVE_GEMM", True)
-    got = step()
+    torch_mm = recipe.MMParams(backend="torch")
+    want = step(recipe.Float8CurrentScaling(fp8_gemm_fprop=torch_mm, fp8_gemm_dgrad=torch_mm, fp8_gemm_wgrad=torch_mm))
+    got = step(recipe.Float8CurrentScaling())
     for g, w in zip(got, want):
         _close(g.float(), w.float(), torch.bfloat16)
 
 
 def test_unopenable_cublaslt_says_why_and_accumulate_falls_back():
     code = (
-        "import torch; from te_parallel import _native; from te_parallel.ops import gemm;"
+        "import torch; from te_parallel.native import gemm as native_gemm; from te_parallel.ops import gemm;"
         "from te_parallel.ops.cast import quantize_current as q;"
-        "assert not _native.gemm_usable();"
-        "print(_native.load().gemm_unavailable_reason());"
+        "assert not native_gemm.usable();"
+        "print(native_gemm.unavailable_reason());"
         "a = q(torch.randn(32, 64, device='cuda'), torch.float8_e4m3fn);"
         "c = torch.ones(32, 32, device='cuda', dtype=torch.bfloat16);"
         "y = gemm.fprop(a, a, torch.bfloat16, accumulate=c);"
@@ -211,9 +213,9 @@ def test_high_precision_operands(dtype, out_fp32):
     c = torch.randn(m, n, device="cuda").to(torch.float32 if out_fp32 else dtype)
     out = torch.full_like(c, float("nan"))
     stream = torch.cuda.current_stream().cuda_stream
-    ws = _native.gemm_workspace(a.device, stream)
-    code = {torch.bfloat16: 2, torch.float16: 1, torch.float32: 0}
-    _native.load().gemm(a.data_ptr(), code[dtype], b.data_ptr(), code[dtype], m, n, k, 0, 0, c.data_ptr(),
-                        out.data_ptr(), code[out.dtype], 0, False, ws.data_ptr(), ws.numel(), stream)
+    ws = native_gemm.workspace(a.device, stream)
+    code = native.DTYPES  # fp8_gemm takes FP8 only: the C API itself, as the comm-overlap schedules call it
+    native.load().gemm(a.data_ptr(), code[dtype], b.data_ptr(), code[dtype], m, n, k, 0, 0, c.data_ptr(),
+                       out.data_ptr(), code[out.dtype], 0, False, ws.data_ptr(), ws.numel(), stream)
     want = (a.double() @ b.double().t() + c.double())
     _close(out, want.to(out.dtype), out.dtype, ulps=16.0 if out_fp32 else 2.0, scale=(a.double().abs() @ b.double().abs().t()) + c.abs())

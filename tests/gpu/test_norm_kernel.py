@@ -1,4 +1,5 @@
-"""Native LayerNorm / RMSNorm kernels (te_parallel.ops.native_norm) vs fp64 references, on awkward shapes.
+"""Native LayerNorm / RMSNorm kernels (te_parallel.native.norm, and the autograd Functions over them in
+te_parallel.ops.norm) vs fp64 references, on awkward shapes.
 
 Stated tolerances (relative Frobenius error ‖out − ref‖ / ‖ref‖ against the fp64 math on the same
 inputs, te_parallel.ops.norm.*_reference):
@@ -16,16 +17,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from te_parallel import _native
-from te_parallel.ops import native_norm as nn_
+from te_parallel import native
+from te_parallel.native import norm as nn_
+from te_parallel.ops import norm as norm_ops
 from te_parallel.ops.cast import quantize_reference
-from te_parallel.ops.norm import (layer_norm, layer_norm_bwd_reference, layer_norm_reference, rms_norm,
+from te_parallel.ops.norm import (layer_norm_bwd_reference, layer_norm_reference, native_layer_norm, native_rms_norm,
                                   rms_norm_bwd_reference, rms_norm_reference)
 from tests.reference import rel_err
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-if not _native.available():
+if not native.available():
     pytest.skip("te_parallel._C is absent (built without nvcc)", allow_module_level=True)
 
 # rows x hidden: 1 row; hidden 1, not a multiple of 8 or of 128; the register kernels with 1, 2 and
@@ -210,17 +212,18 @@ def test_amax_propagates_nan_and_keeps_larger_previous():
 
 
 @pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
-def test_autograd_dispatch_matches_reference(norm, monkeypatch):
-    """With the native high-precision path switched on (off by default: measured slower than torch,
-    see te_parallel/ops/norm.py), ops.norm runs the native Function; values and gradients vs fp64."""
-    import te_parallel.ops.norm as norm_ops
-    monkeypatch.setattr(norm_ops, "_NATIVE_HIGH_PRECISION", True)
+def test_native_autograd_matches_reference(norm):
+    """The native high-precision autograd path (called directly: ops.norm's layer_norm / rms_norm use
+    torch's ops, measured faster, see te_parallel/ops/norm.py) runs the native Function; values and
+    gradients vs fp64."""
     torch.manual_seed(0)
     x = (torch.randn(5, 7, 40, device="cuda") * 2).requires_grad_(True)
     w = (torch.randn(40, device="cuda") * 0.3).requires_grad_(True)
     b = (torch.randn(40, device="cuda") * 0.3).requires_grad_(True) if norm == "LayerNorm" else None
-    y = layer_norm(x, w, b, 1e-3, True) if norm == "LayerNorm" else rms_norm(x, w, 1e-3, True)
+    y = native_layer_norm(x, w, b, 1e-3, True) if norm == "LayerNorm" else native_rms_norm(x, w, 1e-3, True)
     assert "NormFunction" in type(y.grad_fn).__name__ or "NormFunction" in str(y.grad_fn.next_functions)
+    y_hp = norm_ops.layer_norm(x, w, b, 1e-3, True) if norm == "LayerNorm" else norm_ops.rms_norm(x, w, 1e-3, True)
+    assert "NormFunction" not in type(y_hp.grad_fn).__name__  # the high-precision rule: torch's ops
     dy = torch.randn_like(y)
     y.backward(dy)
     xr, wr = x.detach().cpu().double().requires_grad_(True), w.detach().cpu().double().requires_grad_(True)
@@ -237,11 +240,12 @@ def test_fp8_entry_point_gradient_flows_through_carrier(norm):
     x.requires_grad_(True)
     gamma.requires_grad_(True)
     scale = torch.tensor(64.0, device="cuda")
+    assert nn_.usable(x, gamma, beta)  # the FP8 rule: the kernels, where they can run
     if norm == "LayerNorm":
         beta.requires_grad_(True)
-        y8, carrier = nn_.layer_norm_fp8(x, gamma, beta, EPS, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+        y8, carrier = norm_ops.layer_norm_fp8(x, gamma, beta, EPS, scale=scale, fp8_dtype=torch.float8_e4m3fn)
     else:
-        y8, carrier = nn_.rms_norm_fp8(x, gamma, EPS, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+        y8, carrier = norm_ops.rms_norm_fp8(x, gamma, EPS, scale=scale, fp8_dtype=torch.float8_e4m3fn)
     assert y8.data_t is not None and torch.equal(y8.data_t, y8.data.t().contiguous())
     assert y8.scale_inv.item() == 1 / 64.0 and carrier.shape == x.shape and carrier.dtype == x.dtype
     (data, _), mu, rsigma = _fwd(norm, x.detach(), gamma.detach(), None if beta is None else beta.detach(), False,

@@ -1,6 +1,6 @@
 """Native fused delayed-scaling update vs the torch reference, bit for bit (needs CUDA and _C).
 
-Bit-exact is the contract (DESIGN.md §3: no cross-rank reduction here), so results are compared as
+Bit-exact is the contract (no cross-rank reduction here), so results are compared as
 int32 bit patterns: torch.equal on floats would call NaN != NaN and +0 == -0.
 """
 import itertools
@@ -8,11 +8,12 @@ import itertools
 import pytest
 import torch
 
-from te_parallel import _native
+from te_parallel import native
+from te_parallel.native import scaling as native_scaling
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-if not _native.available():
+if not native.available():
     pytest.skip("te_parallel._C is absent (built without nvcc)", allow_module_level=True)
 
 from te_parallel.fp8.scaling import update_delayed_scaling_torch  # noqa: E402
@@ -80,7 +81,7 @@ def _run_both(states, **kwargs):
     ref = _clone(states)
     for hist, scale, scale_inv in ref:
         update_delayed_scaling_torch(hist, scale, scale_inv, **kwargs)
-    _native.fused_delayed_scaling_update(states, **kwargs)
+    native_scaling.fused_delayed_scaling_update(states, **kwargs)
     torch.cuda.synchronize()
     return states, ref
 
@@ -111,7 +112,7 @@ def test_repeated_steps_keep_matching():
             h_ref[0].copy_(row0)
         for hist, scale, scale_inv in ref:
             update_delayed_scaling_torch(hist, scale, scale_inv, **kwargs)
-        _native.fused_delayed_scaling_update(native, **kwargs)
+        native_scaling.fused_delayed_scaling_update(native, **kwargs)
         torch.cuda.synchronize()
         _assert_bit_equal(native, ref, f"step {step}")
 
@@ -134,8 +135,8 @@ def test_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _native.fused_delayed_scaling_update(states, fp8_max=448.0, scale_divisor=1.0, algo="max",
-                                             update_scale=True)
+        native_scaling.fused_delayed_scaling_update(states, fp8_max=448.0, scale_divisor=1.0, algo="max",
+                                                    update_scale=True)
     side.synchronize()
     _assert_bit_equal(states, ref, "side stream")
 
@@ -154,5 +155,5 @@ def test_runs_on_the_current_stream():
 def test_invalid_states_raise_value_error(mutate, match):
     states = [mutate(_make_states([(4, 3)], seed=1)[0])]
     with pytest.raises(ValueError, match=match):
-        _native.fused_delayed_scaling_update(states, fp8_max=448.0, scale_divisor=1.0, algo="max",
-                                             update_scale=True)
+        native_scaling.fused_delayed_scaling_update(states, fp8_max=448.0, scale_divisor=1.0, algo="max",
+                                                    update_scale=True)

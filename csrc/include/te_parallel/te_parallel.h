@@ -53,10 +53,16 @@ typedef struct {
   int num_tensors;
 } tep_scaling_state;
 
+/* amax_algo of tep_delayed_scaling_update: which amax of the history sets the scale. */
+typedef enum {
+  TEP_AMAX_MAX = 0,         /* the largest over the whole history */
+  TEP_AMAX_MOST_RECENT = 1  /* row 0, the pass that just ended */
+} tep_amax_algo;
+
 /*
  * For every state and tensor column j (all states in one kernel launch, one CUDA block per state):
- *   amax_j = max over rows of amax_history[:, j] (NaN propagates)   if amax_algo == 0
- *   amax_j = amax_history[0, j]                                      if amax_algo == 1
+ *   amax_j = max over rows of amax_history[:, j] (NaN propagates)   if amax_algo == TEP_AMAX_MAX
+ *   amax_j = amax_history[0, j]                                      if amax_algo == TEP_AMAX_MOST_RECENT
  *   if update_scale:
  *     new = (fp8_max / amax_j) / scale_divisor                       (two IEEE fp32 divisions)
  *     scale[j] = new if isfinite(amax_j) && amax_j > 0 && isfinite(new), else unchanged

@@ -1,4 +1,5 @@
-"""Seed 001/004's PyTorch quick start, with only the import changed (and the device chosen)."""
+"""TE's PyTorch quick start (te.Linear under fp8_autocast with DelayedScaling), with only the import
+changed (and the device chosen)."""
 import pytest
 import torch
 
@@ -6,7 +7,7 @@ import te_parallel as te
 from te_parallel.common import recipe
 
 
-def test_seed_quickstart(device):
+def test_te_quickstart(device):
     # Set dimensions.
     in_features = 768
     out_features = 3072

@@ -1,4 +1,4 @@
-"""Seed 003 (TE's getting-started tutorial) with only the import changed: the basic layer, the
+"""TE's getting-started tutorial with only the import changed: the basic layer, the
 te.Linear/te.LayerNorm layer, the LayerNormLinear/LayerNormMLP layer, te.TransformerLayer and the
 same under FP8 (DelayedScaling HYBRID, history 16, "max"). Full size (4096, 16384, 32 heads,
 s 2048, b 4, fp16) on a GPU (tests/gpu); reduced on the CPU. With dropout off (eval) every TE
@@ -7,7 +7,7 @@ import torch
 
 import te_parallel as te
 from te_parallel.common.recipe import DelayedScaling, Format
-from tests import seed_utils as utils
+from tests import te_tutorial_utils as utils
 from tests.reference import rel_err
 
 
@@ -92,7 +92,7 @@ class FusedTETransformerLayer(torch.nn.Module):
         return x + res
 
 
-def test_seed_tutorial(device):
+def test_te_tutorial(device):
     cuda = device == "cuda"
     hidden_size, sequence_length, batch_size = (4096, 2048, 4) if cuda else (128, 32, 2)
     ffn_hidden_size, num_attention_heads = (16384, 32) if cuda else (512, 4)

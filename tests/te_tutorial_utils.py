@@ -1,5 +1,5 @@
-"""Stand-ins for the helpers of seed 003's `quickstart_utils.py` (not shipped with the seed):
-a plain-PyTorch causal DotProductAttention, BasicMLP, parameter sharing into the TE-style models,
+"""Stand-ins for the helpers of TE's getting-started tutorial, its `quickstart_utils.py` (not shipped
+with TE): a plain-PyTorch causal DotProductAttention, BasicMLP, parameter sharing into the TE-style models,
 and a speedometer."""
 from __future__ import annotations
 

@@ -1,0 +1,215 @@
+"""The trainer's command line (examples/train_gpt.py) as a user meets it.
+
+Every mistake: exit status 2, one error line on stderr naming the flag (at most 3 lines in all), no
+traceback, and no process started (nothing printed on stdout, no output directory). The mistakes run as subprocesses, all at
+once. Two tiny real runs check that a second run never overwrites the first, that the last line
+names every file written, and that --resume refuses other sizes before starting anything.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_parallel.examples.cli import CliError, build_parser
+from te_parallel.examples.layout import Launch, plan_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                 "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+TINY = ["--steps", "3", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--micro-batch", "2",
+        "--eval-every", "1", "--eval-batches", "1", "--warmup", "1", "--corpus-bytes", "65536", "--device", "cpu",
+        "--quiet", "--no-plot"]
+
+# name -> (arguments, text the one line must hold)
+MISTAKES = {
+    "tp does not divide the processes": (["--nproc", "2", "--tp", "3"], "--tp 3 does not divide the 2 processes"),
+    "heads do not divide hidden": (["--hidden", "128", "--heads", "3"], "--heads 3"),
+    "hidden 100 heads 3": (["--hidden", "100", "--heads", "3"], "--hidden 100"),
+    "hidden 120 under FP8": (["--hidden", "120"], "--hidden 120: FP8"),
+    "ffn under FP8": (["--ffn", "72"], "--ffn 72"),
+    "tokens under FP8": (["--seq-len", "8", "--micro-batch", "3"], "--micro-batch"),
+    "sequence parallel length": (["--seq-len", "9"], "--seq-len 9"),
+    "overlap without TP": (["--overlap", "--tp", "1"], "--overlap"),
+    "missing resume directory": (["--resume", "no/such/checkpoint"], "--resume no/such/checkpoint"),
+    "negative steps": (["--steps", "-5"], "--steps -5"),
+    "zero learning rate": (["--lr", "0"], "--lr"),
+    "too little text": (["--corpus-bytes", "20000"], "--corpus-bytes 20000"),
+    "not a number": (["--tp", "two"], "--tp"),
+    "unknown flag": (["--hiden", "64"], "--hiden"),
+}
+if not torch.cuda.is_available():
+    MISTAKES["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _start(args, cwd):
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _run(args, cwd, timeout=300):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True,
+                          env=_env(), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory):
+    """Every mistake's (returncode, stdout, stderr, out directory), run side by side."""
+    root = tmp_path_factory.mktemp("mistakes")
+    procs = {}
+    for i, (name, (args, _)) in enumerate(MISTAKES.items()):
+        out = root / f"out{i}"
+        procs[name] = (_start(args + ["--out", str(out)], root), out)
+    results = {}
+    for name, (proc, out) in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, stdout, stderr, out)
+    return results
+
+
+def _assert_one_line_error(result, needle):
+    code, stdout, stderr, out = result
+    lines = stderr.strip().splitlines()
+    assert code == 2, (code, stderr)
+    # (at most 3 lines: the error, after a warning of two lines where te_parallel's import warns that
+    # its compiled kernels are absent)
+    assert len(lines) <= 3 and lines[-1].startswith("train_gpt.py: error: "), stderr
+    assert needle in lines[-1], lines[-1]
+    assert "Traceback" not in stderr
+    assert stdout == "", stdout  # not even the layout line: no process was started
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_mistake_is_one_line_before_any_process(mistakes, name):
+    _assert_one_line_error(mistakes[name], MISTAKES[name][1])
+
+
+def test_tp_message_names_the_fix(mistakes):
+    line = mistakes["tp does not divide the processes"][2].splitlines()[-1]
+    assert line.endswith("use --tp 1 or --tp 2")
+    line = mistakes["hidden 120 under FP8"][2].splitlines()[-1]
+    assert "hidden/tp = 60" in line and "--hidden 128" in line and "--fp8 off" in line
+
+
+def test_help_gives_every_flag_a_description_and_default(tmp_path):
+    result = _run(["--help"], tmp_path, timeout=60)
+    assert result.returncode == 0 and "usage:" in result.stdout
+    entries = re.split(r"\n(?=  -)", result.stdout.split("options:", 1)[1])
+    flags = [e for e in entries if e.lstrip().startswith("--")]
+    assert len(flags) >= 25
+    missing = [e.split()[0] for e in flags if "(default:" not in " ".join(e.split())]
+    assert not missing, missing
+    for action in build_parser("")._actions:
+        assert action.help, action.option_strings
+
+
+def _last_line(result):
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """A tiny run with the default --out, stopped after 2 of 3 steps (so it saves a checkpoint)."""
+    cwd = tmp_path_factory.mktemp("runs")
+    result = _run(TINY + ["--stop-after", "2"], cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd, result
+
+
+def test_first_run_names_its_files_and_checkpoint(first_run):
+    cwd, result = first_run
+    out = Path("runs/gpt")
+    assert result.stdout.splitlines()[0].startswith("train_gpt: 2 processes on the CPU (gloo): tp=2 dp=1")
+    assert f"saved the checkpoint to {out / 'checkpoint'}" in result.stdout
+    assert _last_line(result) == (f"train_gpt: wrote {out / 'log.json'}, checkpoint {out / 'checkpoint'}/ "
+                                  f"(config.json, rank0.pt, rank1.pt)")
+    for name in ("log.json", "checkpoint/config.json", "checkpoint/rank0.pt", "checkpoint/rank1.pt"):
+        assert (cwd / out / name).is_file(), name
+    assert json.loads((cwd / out / "checkpoint" / "config.json").read_text())["step"] == 2
+
+
+def test_second_run_does_not_overwrite_the_first(first_run):
+    cwd, _ = first_run
+    before = (cwd / "runs/gpt/log.json").read_text()
+    result = _run(TINY + ["--resume", "runs/gpt/checkpoint"], cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "writing this one to runs/gpt-2" in result.stdout
+    assert _last_line(result) == f"train_gpt: wrote {Path('runs/gpt-2/log.json')}"
+    assert (cwd / "runs/gpt/log.json").read_text() == before
+    assert len(json.loads((cwd / "runs/gpt-2/log.json").read_text())["log"]) == 3  # resumed at 2, ran to 3
+    refused = _run(TINY + ["--out", "runs/gpt"], cwd, timeout=60)  # an explicit --out is never replaced
+    _assert_one_line_error((refused.returncode, refused.stdout, refused.stderr, cwd / "nothing"), "--overwrite")
+    refused = _run(TINY + ["--out", "runs/other", "--save", "runs/gpt/checkpoint"], cwd, timeout=60)
+    _assert_one_line_error((refused.returncode, refused.stdout, refused.stderr, cwd / "runs/other"),
+                           "--save runs/gpt/checkpoint already holds a checkpoint")
+
+
+def test_resume_with_other_sizes_is_refused(first_run, tmp_path):
+    cwd, _ = first_run
+    ckpt = cwd / "runs/gpt/checkpoint"
+    result = _run(TINY + ["--resume", str(ckpt), "--hidden", "64", "--out", str(tmp_path / "o")], cwd, timeout=60)
+    _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"), "--hidden 32")
+    result = _run(TINY + ["--resume", str(ckpt), "--nproc", "1", "--tp", "1", "--out", str(tmp_path / "o")], cwd,
+                  timeout=60)
+    _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"), "--tp 2")
+    # a checkpoint without config.json: the sizes come from rank0.pt's shapes
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("rank0.pt", "rank1.pt"):
+        (bare / name).write_bytes((ckpt / name).read_bytes())
+    result = _run(TINY + ["--resume", str(bare), "--layers", "2", "--out", str(tmp_path / "o")], cwd, timeout=60)
+    _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"), "--layers 1")
+
+
+def _layout(monkeypatch, argv, gpus=0, capability=(9, 0), env=None):
+    """plan_layout on a pretend machine with `gpus` GPUs."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Test GPU")
+    args = build_parser("").parse_args(argv)
+    return args, plan_layout(args, Launch.from_env(env or {}))
+
+
+@pytest.mark.parametrize("gpus, tp, nproc", [(0, 2, 2), (1, 1, 1), (2, 2, 2), (3, 2, 2), (8, 2, 8)])
+def test_default_layout_uses_the_gpus(monkeypatch, gpus, tp, nproc):
+    args, layout = _layout(monkeypatch, [], gpus)
+    assert (layout.device, layout.tp, layout.nproc) == ("cuda" if gpus else "cpu", tp, nproc)
+    if gpus == 1:
+        assert any("--tp 1" in n for n in layout.notes)
+    assert args.fp8 == "delayed"
+
+
+def test_layout_mistakes_on_gpus(monkeypatch):
+    with pytest.raises(CliError, match=r"--tp 4 needs 4 GPUs.*this machine has 2"):
+        _layout(monkeypatch, ["--tp", "4"], 2)
+    with pytest.raises(CliError, match=r"--nproc 4 needs 4 GPUs"):
+        _layout(monkeypatch, ["--nproc", "4"], 2)
+    with pytest.raises(CliError, match=r"--fp8 delayed needs a GPU of compute capability 8.9"):
+        _layout(monkeypatch, ["--fp8", "delayed"], 1, capability=(8, 0))
+    args, layout = _layout(monkeypatch, [], 1, capability=(8, 0))
+    assert args.fp8 == "off" and any("no FP8" in n for n in layout.notes)
+    with pytest.raises(CliError, match=r"--nproc 2 is for runs without a launcher"):
+        _layout(monkeypatch, ["--nproc", "2"], 0, env={"RANK": "0", "WORLD_SIZE": "4"})
+
+
+def test_launcher_world_is_checked(monkeypatch):
+    from te_parallel.examples.checks import check_sizes
+
+    args, layout = _layout(monkeypatch, ["--tp", "4", "--device", "cpu"], 0,
+                           env={"RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0"})
+    args.ffn = 4 * args.hidden
+    expected = r"--tp 4 does not divide the 6 processes \(WORLD_SIZE=6\); use --tp 1 or --tp 2"
+    with pytest.raises(CliError, match=expected):
+        check_sizes(args, layout.tp, layout.nproc, layout.world_fixed, layout.what, layout.can_add)
