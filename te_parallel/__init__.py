@@ -3,8 +3,9 @@
     import te_parallel as te
     from te_parallel.common import recipe
 """
-from te_parallel import native, recipe
+from te_parallel import init, native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
+from te_parallel.fp8.params import Float8Weight, MasterWeights, fp8_model_init, quantized_model_init
 from te_parallel.fp8.recompute import checkpoint
 from te_parallel.convert import LLAMA_TP_PLAN, convert
 from te_parallel.graph import make_graphed_callables
@@ -20,6 +21,7 @@ from te_parallel.module import (
     TransformerLayer,
     apply_rotary_pos_emb,
 )
+from te_parallel.parallel.dcp import dcp_state_dict, load_dcp_state_dict
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig, initialize_ub
 from te_parallel.parallel.random import CudaRNGStatesTracker
 
@@ -43,11 +45,18 @@ __all__ = [
     "CommOverlap",
     "OverlapConfig",
     "checkpoint",
+    "dcp_state_dict",
+    "load_dcp_state_dict",
     "make_graphed_callables",
     "convert",
     "LLAMA_TP_PLAN",
     "fp8_autocast",
     "is_fp8_available",
     "Float8Tensor",
+    "Float8Weight",
+    "quantized_model_init",
+    "fp8_model_init",
+    "MasterWeights",
     "recipe",
+    "init",
 ]

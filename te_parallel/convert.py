@@ -23,7 +23,7 @@ from torch import nn
 
 from te_parallel.module.layernorm import LayerNorm, RMSNorm
 from te_parallel.module.linear import Linear
-from te_parallel.parallel.groups import group_rank, group_size
+from te_parallel.parallel.groups import as_group, group_rank, group_size
 
 LLAMA_TP_PLAN: Dict[str, str] = {
     "*.q_proj": "column", "*.k_proj": "column", "*.v_proj": "column", "*.o_proj": "row",
@@ -42,9 +42,11 @@ def _mode(name: str, plan: Optional[Dict[str, str]]) -> Optional[str]:
 
 @torch.no_grad()
 def _linear(name: str, old: nn.Linear, mode, tp_group) -> Linear:
-    tp, r = group_size(tp_group), group_rank(tp_group)
+    group = as_group("convert", "tp_group", tp_group)[0]  # a ProcessGroup or a 1-D DeviceMesh
+    tp, r = group_size(group), group_rank(group)
     new = Linear(old.in_features, old.out_features, bias=old.bias is not None, params_dtype=old.weight.dtype,
-                 device=old.weight.device, parallel_mode=mode, tp_group=tp_group if mode else None)
+                 device=old.weight.device, parallel_mode=mode, tp_group=tp_group if mode else None,
+                 init_method=lambda w: None)  # the weights are copied in below: generating them would be wasted
     w = old.weight
     if mode == "column":
         w = w.chunk(tp, 0)[r]
@@ -89,7 +91,7 @@ def convert(model: nn.Module, *, tp_group=None, plan: Optional[Dict[str, str]] =
     replacements = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
-            mode = _mode(name, plan) if group_size(tp_group) > 1 else None
+            mode = _mode(name, plan) if group_size(as_group("convert", "tp_group", tp_group)[0]) > 1 else None
             replacements.append((name, _linear(name, module, mode, tp_group)))
         else:
             new = _norm(module)

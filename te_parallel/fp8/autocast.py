@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from te_parallel.fp8.scaling import update_delayed_scaling
 from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.parallel.groups import amax_group
 from te_parallel.recipe import DelayedScaling, Recipe, fp8_max
 
 __all__ = ["fp8_autocast", "is_fp8_available", "FP8Frame", "current_frame"]
@@ -182,15 +183,17 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
     """Run the enclosed forward pass with FP8 GEMMs (see the module docstring).
 
     fp8_recipe: None means DelayedScaling() with its defaults.
-    fp8_group: the ranks over which amaxes are all-reduced (MAX) so that they share scales;
-    None means each module's tensor-parallel group.
+    fp8_group: the ranks over which amaxes are all-reduced (MAX) so that they share scales: a
+    ProcessGroup, or a DeviceMesh meaning all of its ranks (a dp × tp mesh: TP and DP ranks share
+    scales); None means each module's tensor-parallel group.
     (A class rather than a @contextmanager generator: a training step enters it once per micro-batch
     and the generator's machinery cost more host time than the region's own work.)
     """
 
     def __init__(self, enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
-                 fp8_group: Optional[dist.ProcessGroup] = None) -> None:
-        self.enabled, self.calibrating, self.fp8_recipe, self.fp8_group = enabled, calibrating, fp8_recipe, fp8_group
+                 fp8_group=None) -> None:
+        self.enabled, self.calibrating, self.fp8_recipe = enabled, calibrating, fp8_recipe
+        self.fp8_group = amax_group("fp8_autocast", fp8_group)  # (a mesh's group is made once, kept on the mesh)
 
     def __enter__(self) -> None:
         if self.enabled:

@@ -111,7 +111,11 @@ class FP8ScalingState(nn.Module):
             new[:keep].copy_(hist[:keep])
             setattr(self, name, new)
 
-    def reset(self) -> None:
+    def reset(self, history_len: Optional[int] = None) -> None:
+        """Scales 1, histories and update counts 0; history_len: also resize the histories (the fresh
+        state of a constructed module has DEFAULT_HISTORY_LEN rows; module.reset_parameters() asks for it)."""
+        if history_len is not None:
+            self.ensure_history_len(history_len)
         with torch.no_grad():
             for name in _KEYS:
                 t = getattr(self, name)

@@ -51,6 +51,10 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.layer_number, self.last_backend = layer_number, None
 
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: the attention core has no parameters or buffers (here for the
+        deferred-init protocol every module follows)."""
+
     def _to_bhsd(self, t: torch.Tensor, fmt: str) -> torch.Tensor:
         return t.permute(1, 2, 0, 3) if fmt == "sbhd" else t.transpose(1, 2)
 

@@ -14,10 +14,12 @@ from torch import nn
 
 from te_parallel.fp8 import autocast as _autocast
 from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.fp8.params import Float8Weight
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.module.params import LinearParams, cat_params
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.fp8_gemm_config import GemmFP8
+from te_parallel.ops.fp8_weight import weight_operand
 from te_parallel.ops.linear import LinearFunction, LinearParallel
 from te_parallel.ops.norm import apply_norm, check_normalization
 from te_parallel.parallel.collectives import all_reduce_grad
@@ -30,10 +32,22 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
-    """None means CUDA when available, else CPU."""
+    """None means the ambient default device when one is set (`with torch.device("meta"):`,
+    torch.set_default_device), else CUDA when available, else CPU."""
     if device is None:
+        ambient = torch.get_default_device()
+        if ambient.type != "cpu":
+            return ambient
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def check_materialized(module: nn.Module) -> None:
+    """A module built on the meta device has no values yet: say how to give it some."""
+    for p in module._parameters.values():
+        if p is not None and p.is_meta:
+            raise RuntimeError(f"{type(module).__name__}: its parameters are on the meta device (no storage); materialise "
+                               f"it first with module.to_empty(device=...) and then module.reset_parameters()")
 
 
 def resolve_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -139,7 +153,9 @@ class FP8Module(nn.Module):
             state.ensure_history_len(recipe.amax_history_len)
             _autocast.record_forward(state, recipe, group)
         cfg = GemmFP8(recipe, state, gemm, None, frame.enabled, group, backward_done=done)
-        if frame.enabled:
+        if frame.enabled and isinstance(weight, Float8Weight):  # FP8 parameters: their bytes, no cast
+            cfg.weight = weight_operand(type(self).__name__, weight, recipe)
+        elif frame.enabled:
             cfg.weight = self._cached_weight(cfg, params, weight, is_first_microbatch, weight_amax_group)
         else:
             cfg.record_weight_amax(weight)
@@ -150,8 +166,13 @@ class FP8Module(nn.Module):
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
         fmt = cfg.recipe.fp8_format
         key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, cfg.recipe.delayed())
+        keep = (is_first_microbatch is not None or not torch.is_grad_enabled()
+                or not any(p.requires_grad for p in params))
         hit = None if self._always_recast else self._weight_cache.get(cfg.gemm)
-        if hit is not None and hit[0][1:] == key[1:]:
+        # A training forward without TE's micro-batch flag always casts (as TE does): the version key
+        # cannot see every write, e.g. FSDP2 all-gathers new values into the same unsharded storage
+        # without bumping its version, so a copy cached by an earlier no_grad forward would be stale.
+        if hit is not None and hit[0][1:] == key[1:] and (keep or is_first_microbatch is False):
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]
         # Wᵀ (for dgrad) is made in backward, not here: emitted by this cast it sits in memory through
@@ -165,8 +186,7 @@ class FP8Module(nn.Module):
         # 1 byte per parameter from this forward through backward and on to the next step. Not kept,
         # W is freed after its forward GEMM and backward re-encodes Wᵀ from `weight` (unless `weight`
         # is a concatenated copy, which would cost more than W itself).
-        if (is_first_microbatch is not None or not torch.is_grad_enabled()
-                or not any(p.requires_grad for p in params)):
+        if keep:
             self._weight_cache[cfg.gemm] = (key, w_q)
         else:
             self._weight_cache.pop(cfg.gemm, None)
@@ -178,6 +198,11 @@ class FP8Module(nn.Module):
 class GemmModule(FP8Module, TensorParallelMixin):
     """Base of Linear, LayerNormLinear and LayerNormMLP: how each of their GEMMs is split over the TP
     group (`_linear_parallel`) and run (`_gemm_plan`, `_linear_forward`)."""
+
+    def _check_tp_ready(self, device: torch.device) -> None:
+        if not self._tp_checked:  # (the first forward's checks; a meta module fails them until materialised)
+            check_materialized(self)
+        super()._check_tp_ready(device)
 
     def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor, ub: Optional[UbSettings] = None,
                          scatter_rows: Optional[int] = None) -> LinearParallel:

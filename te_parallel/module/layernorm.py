@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from te_parallel.module.base import activation_dtype, check_features, check_input, resolve_device, resolve_dtype
+from te_parallel.module.base import (activation_dtype, check_features, check_input, check_materialized, resolve_device,
+                                     resolve_dtype)
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.norm import layer_norm, rms_norm
 from te_parallel.parallel.collectives import all_reduce_grad
@@ -26,11 +27,14 @@ class _Norm(nn.Module, TensorParallelMixin):
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         self._init_tp(name, tp_group, 1, sequence_parallel)
         self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, eps, zero_centered_gamma
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if with_bias else None
-        for p in self.parameters():
-            p.sequence_parallel = self.sequence_parallel
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype)) if with_bias else None
+        self.reset_parameters()
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """The group over which γ/β gradients are summed under sequence parallelism (a ProcessGroup or a
+        1-D DeviceMesh); the parameters are whole on every rank, so any group size is accepted."""
+        self._init_tp(type(self).__name__, tp_group, 1, self.sequence_parallel)
 
     def _params(self):
         if self.sequence_parallel and self.tp_group is not None:
@@ -40,7 +44,10 @@ class _Norm(nn.Module, TensorParallelMixin):
     def _input(self, inp: torch.Tensor) -> torch.Tensor:
         """inp in the activation dtype (the parameters', or torch.autocast's), as every module's output is."""
         check_input(type(self).__name__, inp, self.hidden_size)
-        dtype = activation_dtype(self.weight.dtype, inp.device)
+        weight = self.weight
+        if weight.is_meta:
+            check_materialized(self)
+        dtype = activation_dtype(weight.dtype, inp.device)
         return inp if inp.dtype == dtype else inp.to(dtype)
 
     def _norm(self, fn, inp: torch.Tensor, *args) -> torch.Tensor:
@@ -53,6 +60,12 @@ class _Norm(nn.Module, TensorParallelMixin):
         return fn(x, *args)
 
     def reset_parameters(self) -> None:
+        """weight 1 (0 with zero_centered_gamma), bias 0, as at construction; after `to_empty` this
+        materialises a norm built on the meta device. Marks the parameters for sequence parallelism."""
+        for p in self.parameters():  # (to_empty makes new Parameters, without the marker)
+            p.sequence_parallel = self.sequence_parallel
+        if self.weight.is_meta:
+            return
         with torch.no_grad():
             self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             if self.bias is not None:

@@ -8,7 +8,7 @@ import torch
 from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
                                      check_parallel_mode, local_features, mark_sequence_parallel, norm_forward,
                                      overlap_settings, pack_outputs, resolve_device, resolve_dtype)
-from te_parallel.module.params import LinearParams
+from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.parallel.collectives import gather_from_sp
 
 
@@ -75,10 +75,21 @@ class LayerNormLinear(GemmModule):
         if parallel_mode == "row" and in_features != full_in:
             raise ValueError("LayerNormLinear: parallel_mode='row' would split the normalized features; use 'column'")
         add_norm_params(self, in_features, normalization, zero_centered_gamma, device, dtype)
-        mark_sequence_parallel(self, ["layer_norm_weight", "layer_norm_bias"])
         divisor = self.tp_size if parallel_mode == "column" else 1
         self._params = LinearParams(self, in_features, out_features, bias=bias, parameters_split=parameters_split,
                                     init_method=init_method, device=device, dtype=dtype, split_divisor=divisor)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise the parameters as the constructor does (norm weight 1, or 0 with zero_centered_gamma;
+        biases 0; weight by init_method), reset the FP8 scaling state; after `to_empty` this materialises a
+        module built on the meta device."""
+        reset_gemm_module(self, [(self._params, self.parallel_mode)])
+        mark_sequence_parallel(self, ["layer_norm_weight", "layer_norm_bias"])
+
+    def tp_shard_layouts(self):
+        """Where this rank's weight and bias sit in the full (TP=1) ones (te_parallel.parallel.sharding)."""
+        return gemm_layouts(self, [(self._params, self.parallel_mode)])
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormLinear", inp, self.in_features)

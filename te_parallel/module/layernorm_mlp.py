@@ -8,7 +8,7 @@ import torch
 from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
                                      mark_sequence_parallel, norm_forward, overlap_settings, pack_outputs,
                                      resolve_device, resolve_dtype)
-from te_parallel.module.params import LinearParams
+from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 from te_parallel.parallel.groups import check_divisible
 from te_parallel.ops.activation import apply_activation, check_activation, is_gated
@@ -87,12 +87,29 @@ class LayerNormMLP(GemmModule):
         self.params_dtype, self.set_parallel_mode = dtype, set_parallel_mode
         self.bwd_chunk_bytes = bwd_chunk_bytes
         add_norm_params(self, hidden_size, normalization, zero_centered_gamma, device, dtype)
-        fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
+        gated = is_gated(activation)  # fc1's local rows are [a_r; b_r]: two blocks of the full weight
         common = dict(bias=bias, parameters_split=None, device=device, dtype=dtype)
-        self._fc1 = LinearParams(self, hidden_size, fc1_out, init_method=init_method, prefix="fc1_", **common)
-        self._fc2 = LinearParams(self, ffn_local, hidden_size, prefix="fc2_",
-                                 init_method=output_layer_init_method or init_method, **common)
+        self._fc1 = LinearParams(self, hidden_size, 2 * ffn_local if gated else ffn_local, init_method=init_method,
+                                 prefix="fc1_", row_blocks=(ffn_local, ffn_local) if gated else None, **common)
+        # TE's rule: fc2 takes output_layer_init_method, the default init when that is None
+        self._fc2 = LinearParams(self, ffn_local, hidden_size, prefix="fc2_", init_method=output_layer_init_method,
+                                 **common)
+        self.reset_parameters()
+
+    def _param_parts(self):
+        mode = self.set_parallel_mode and self.tp_size > 1
+        return [(self._fc1, "column" if mode else None), (self._fc2, "row" if mode else None)]
+
+    def reset_parameters(self) -> None:
+        """Initialise the parameters as the constructor does (norm weight 1, or 0 with zero_centered_gamma;
+        biases 0; fc1 by init_method, fc2 by output_layer_init_method), reset the FP8 scaling state; after
+        `to_empty` this materialises a module built on the meta device."""
+        reset_gemm_module(self, self._param_parts())
         mark_sequence_parallel(self, ["layer_norm_weight", "layer_norm_bias", "fc2_bias"])
+
+    def tp_shard_layouts(self):
+        """Where this rank's parameters sit in the full (TP=1) ones: fc1 column (gated: two pieces), fc2 row."""
+        return gemm_layouts(self, self._param_parts())
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("LayerNormMLP", inp, self.hidden_size)

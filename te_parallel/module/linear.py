@@ -19,7 +19,7 @@ from te_parallel.module.base import (
     resolve_dtype,
     torch_linear,
 )
-from te_parallel.module.params import LinearParams
+from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.ops.linear import SINGLE
 from te_parallel.parallel.collectives import all_reduce_grad
 
@@ -81,7 +81,18 @@ class Linear(GemmModule):
         divisor = self.tp_size if parallel_mode == "column" else 1
         self._params = LinearParams(self, self.in_features, self.out_features, bias=bias, parameters_split=parameters_split,
                                     init_method=init_method, device=device, dtype=dtype, split_divisor=divisor)
-        mark_sequence_parallel(self, [*self._params.bias_names] if parallel_mode == "row" else [])
+        self._sp_params = [*self._params.bias_names] if parallel_mode == "row" else []
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise the parameters as the constructor does (weight by init_method, bias 0), reset the FP8
+        scaling state; after `to_empty` this materialises a module built on the meta device."""
+        reset_gemm_module(self, [(self._params, self.parallel_mode)])
+        mark_sequence_parallel(self, self._sp_params)
+
+    def tp_shard_layouts(self):
+        """Where this rank's weight and bias sit in the full (TP=1) ones (te_parallel.parallel.sharding)."""
+        return gemm_layouts(self, [(self._params, self.parallel_mode)])
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_input("Linear", inp, self.in_features)

@@ -7,11 +7,13 @@ import torch
 from torch import nn
 
 from te_parallel.module.attention import DotProductAttention
-from te_parallel.module.base import check_hidden_states, pack_outputs
+from te_parallel.module.base import check_hidden_states, pack_outputs, resolve_device
+from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm_linear import LayerNormLinear
 from te_parallel.module.linear import Linear
 from te_parallel.module.rope import apply_rotary_pos_emb
-from te_parallel.module.parallel_mixin import resolve_tp_size
+from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
+from te_parallel.parallel.groups import as_group
 
 
 def head_dim(owner: str, hidden_size: int, num_heads: int, kv_channels: Optional[int]) -> int:
@@ -47,7 +49,7 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         owner = "MultiheadAttention"
         self.tp_size = resolve_tp_size(owner, tp_group, tp_size)
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        (self.tp_group, self.tp_mesh), self.sequence_parallel = as_group(owner, "tp_group", tp_group), sequence_parallel
         self.head_dim = head_dim(owner, hidden_size, num_attention_heads, kv_channels)
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         if sequence_parallel and qkv_format != "sbhd":
@@ -71,21 +73,32 @@ class MultiheadAttention(nn.Module):
         qkv_ub = dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name="qkv", ub_comm=ub_comm)
         self._build_projections(hidden_size, attention_type, input_layernorm, col, init_method, common, ln, qkv_ub)
-        self.proj = Linear(self.hidden_q, hidden_size, init_method=output_layer_init_method or init_method,
+        # TE's rule: proj takes output_layer_init_method, the default init when that is None
+        self.proj = Linear(self.hidden_q, hidden_size, init_method=output_layer_init_method,
                            parallel_mode="row" if set_parallel_mode else None, return_bias=return_bias,
                            ub_overlap_rs=ub_overlap_rs, ub_overlap_ag=ub_overlap_ag, ub_name="proj", ub_comm=ub_comm,
                            **common)
 
     def _build_projections(self, hidden, attention_type, input_layernorm, col, init, common, ln, qkv_ub) -> None:
         def make(out, split, prefix_norm: bool, name: str, ub=None):
+            # A fused, non-interleaved weight's column shard is [q_r; k_r; v_r] ([k_r; v_r]): blocks of the
+            # full weight, declared before its values are generated from full-tensor indices; so it is built
+            # on the meta device and materialised here (keys are drawn in the same order either way).
+            blocks = None
+            if self.fuse_qkv_params and not self.interleaved and split is not None and col and self.tp_size > 1:
+                blocks = [size // self.tp_size for size in split.values()]
             split = None if self.fuse_qkv_params else split
-            ub = ub or {}
-            if prefix_norm:
-                setattr(self, name, LayerNormLinear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split,
-                                                    **ln, **common, **ub))
-            else:
-                setattr(self, name, Linear(hidden, out, init_method=init, parallel_mode=col, parameters_split=split,
-                                           **common, **ub))
+            kw = dict(init_method=init, parallel_mode=col, parameters_split=split, **common, **(ub or {}))
+            if blocks is not None:
+                kw["device"] = "meta"
+            module = LayerNormLinear(hidden, out, **ln, **kw) if prefix_norm else Linear(hidden, out, **kw)
+            if blocks is not None:
+                module._params.set_row_blocks(blocks, "MultiheadAttention")
+                device = resolve_device(common["device"])
+                if device.type != "meta":
+                    module.to_empty(device=device)
+                    module.reset_parameters()
+            setattr(self, name, module)
 
         q, kv = self.hidden_q, self.hidden_kv
         if attention_type == "self":
@@ -99,6 +112,15 @@ class MultiheadAttention(nn.Module):
             self._qkv_name = name
         else:
             raise ValueError(f"MultiheadAttention: attention_type must be 'self' or 'cross', got {attention_type!r}")
+
+    def reset_parameters(self) -> None:
+        """Initialise every projection as the constructor does, in the same order (so the same seed gives
+        the same weights); after `to_empty` this materialises a module built on the meta device."""
+        reset_children(self)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Hand every projection and the attention core the TP group (a ProcessGroup or a 1-D DeviceMesh)."""
+        set_tree_tp_group(self, tp_group)
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.reshape(*t.shape[:2], n, self.head_dim)

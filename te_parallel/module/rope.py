@@ -22,11 +22,24 @@ class RotaryPositionEmbedding(nn.Module):
         rot_dim = int(dim * rotary_percent)
         if rot_dim % 2:
             raise ValueError(f"RotaryPositionEmbedding: rotated channels dim·rotary_percent={rot_dim} must be even")
-        self.rot_dim, self.interpolation = rot_dim, seq_len_interpolation_factor
-        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rot_dim, self.interpolation, self.rotary_base = rot_dim, seq_len_interpolation_factor, rotary_base
+        # on the ambient default device (meta under `with torch.device("meta")`), like any module's state
+        self.register_buffer("inv_freq", torch.empty(rot_dim // 2, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Recompute inv_freq (a buffer, not saved in the state dict): after `to_empty` it holds garbage.
+        Computed on the CPU and copied, so it is the same bits whatever device the module lives on."""
+        if self.inv_freq.is_meta:
+            return
+        exponent = torch.arange(0, self.rot_dim, 2, dtype=torch.float32, device="cpu") / self.rot_dim
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / (self.rotary_base ** exponent))
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        if self.inv_freq.is_meta:
+            raise RuntimeError("RotaryPositionEmbedding: its inv_freq buffer is on the meta device (no storage); "
+                               "materialise it first with module.to_empty(device=...) and then module.reset_parameters()")
         pos = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
         if self.interpolation is not None:
             pos = pos / self.interpolation

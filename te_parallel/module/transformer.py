@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from te_parallel.module.base import activation_dtype, check_hidden_states, check_input
+from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm import LayerNorm, RMSNorm
 from te_parallel.module.layernorm_mlp import LayerNormMLP
 from te_parallel.module.multi_head_attention import MultiheadAttention, head_dim
-from te_parallel.module.parallel_mixin import resolve_tp_size
+from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
+from te_parallel.parallel.groups import as_group
 from te_parallel.ops.attention import check_mask_type
 
 
@@ -71,6 +73,7 @@ class TransformerLayer(nn.Module):
                   ub_overlap_rs_dgrad=on and ub_overlap_rs_dgrad, ub_bulk_dgrad=on and ub_bulk_dgrad,
                   ub_bulk_wgrad=on and ub_bulk_wgrad, ub_comm=ub_comm if on else None)
         self.tp_size = resolve_tp_size(owner, tp_group, tp_size)
+        self.tp_group, self.tp_mesh = as_group(owner, "tp_group", tp_group)
         head_dim(owner, hidden_size, num_attention_heads, kv_channels)
         self.layer_type, self.self_attn_mask_type = layer_type, self_attn_mask_type
         self.enc_dec_attn_mask_type, self.window_size = enc_dec_attn_mask_type, window_size
@@ -105,6 +108,15 @@ class TransformerLayer(nn.Module):
                                   params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device,
                                   tp_group=tp_group if self.tp_size > 1 else None)
         self.drop_path = DropPath(drop_path_rate, batch_dim=1 if attn_input_format == "sbhd" else 0)
+
+    def reset_parameters(self) -> None:
+        """Initialise every submodule as the constructor does, in the same order (so the same seed gives
+        the same weights); after `to_empty` this materialises a layer built on the meta device."""
+        reset_children(self)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Hand every sub-module the TP group (a ProcessGroup or a 1-D DeviceMesh) after construction (TE's API)."""
+        set_tree_tp_group(self, tp_group)
 
     def _dropout_add(self, out, residual):
         """residual + drop_path(dropout(out)); the projections add their bias in the GEMM epilogue.

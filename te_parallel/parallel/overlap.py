@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from te_parallel.native import comm_overlap as native_comm
-from te_parallel.parallel.groups import group_rank, group_size
+from te_parallel.parallel.groups import as_group, group_rank, group_size
 from te_parallel.parallel.ub_transport import IpcTransport, P2PTransport, warn_fallback
 
 from te_parallel.parallel.overlap_config import DEFAULT_OVERLAP, OverlapConfig
@@ -166,8 +166,8 @@ def initialize_ub(shape: Sequence[int], tp_group, use_fp8: bool = False, dtype: 
     """Collective over `tp_group`: make the buffers for overlapping its all-gathers / reduce-scatters.
 
     shape: [tokens of the whole sequence (s·b), hidden], the largest activation an overlapped GEMM
-    moves. tp_group: the ProcessGroup of the layers (an int equal to the world size is accepted for
-    TE code that passes tp_size, and means the world group). bootstrap_backend: how IPC handles are
+    moves. tp_group: the ProcessGroup of the layers or their 1-D DeviceMesh (an int equal to the world
+    size is accepted for TE code that passes tp_size, and means the world group). bootstrap_backend: how IPC handles are
     exchanged: "store" (the default: torch.distributed's key-value store), "gloo"/"nccl" (an all-gather
     on tp_group) or "mpi" (mpi4py, under mpirun). Every wait of the exchange is bounded by `timeout`
     seconds and fails with the rank and the step that did not complete. config: the OverlapConfig of
@@ -204,9 +204,10 @@ def _resolve_group(tp_group):
             raise ValueError(f"initialize_ub: got tp_size={tp_group} (an int) but the world has "
                              f"{dist.get_world_size()} ranks; pass the tensor-parallel ProcessGroup instead")
         return dist.group.WORLD
-    if not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(f"initialize_ub: tp_group must be a torch.distributed ProcessGroup, got {type(tp_group).__name__}")
-    return tp_group
+    group = as_group("initialize_ub", "tp_group", tp_group)[0]  # a ProcessGroup or a 1-D DeviceMesh
+    if group is None:
+        raise TypeError("initialize_ub: tp_group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None")
+    return group
 
 
 def _device_of(tp_group) -> torch.device:

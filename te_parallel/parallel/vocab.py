@@ -17,13 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from te_parallel.parallel.collectives import reduce_from_tp, reduce_scatter_to_sp
-from te_parallel.parallel.groups import check_divisible, group_rank, group_size
+from te_parallel.parallel.groups import as_group, check_divisible, group_rank, group_size
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, sequence_parallel: bool = False,
                  init_method=None, params_dtype: Optional[torch.dtype] = None, device=None) -> None:
         super().__init__()
+        tp_group, self.tp_mesh = as_group("VocabParallelEmbedding", "tp_group", tp_group)  # ProcessGroup or 1-D mesh
         tp = group_size(tp_group)
         self.vocab_local = check_divisible("VocabParallelEmbedding", "num_embeddings", num_embeddings, tp)
         self.vocab_start = group_rank(tp_group) * self.vocab_local
@@ -31,6 +32,14 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_local, embedding_dim, device=device,
                                                dtype=params_dtype or torch.get_default_dtype()))
         (init_method or (lambda w: nn.init.normal_(w, 0.0, 0.02)))(self.weight)
+
+    def tp_shard_layouts(self):
+        """This rank's rows of the full [num_embeddings, dim] table (te_parallel.parallel.sharding)."""
+        from te_parallel.parallel.sharding import split_layout
+
+        tp = group_size(self.tp_group)
+        full = (self.vocab_local * tp, self.weight.shape[1])
+        return {"weight": split_layout(full, 0, self.vocab_start // self.vocab_local, tp)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [s, b] -> [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
@@ -74,5 +83,6 @@ class _VocabParallelCE(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Per-token loss −log softmax(logits)[target]; logits [.., V/tp] (this rank's vocabulary slice)."""
+    tp_group = as_group("vocab_parallel_cross_entropy", "tp_group", tp_group)[0]
     vocab_start = group_rank(tp_group) * logits.shape[-1]
     return _VocabParallelCE.apply(logits, target, tp_group, vocab_start)

@@ -1,0 +1,287 @@
+"""Distributed checkpoints of tensor-parallel models with torch.distributed.checkpoint (DCP), in
+full-tensor coordinates, so that a checkpoint written at one layout loads at another.
+
+    sd = te.dcp_state_dict(model, optimizer)        # model and optimizer state, TP shards in global coordinates
+    dcp.save(sd, checkpoint_id=path)
+
+    sd = te.dcp_state_dict(model, optimizer)        # the same call on the new layout: a template of views
+    dcp.load(sd, checkpoint_id=path)                # writes into the parameters and optimizer state in place
+    te.load_dcp_state_dict(model, sd, optimizer)    # hands them to the modules (FP8 state, caches, param groups)
+
+A TP-sharded parameter's entry is a `GlobalShards`: a tensor of the full (TP=1) shape of which this
+rank holds rectangular chunks, each a view of the local tensor at its offset in the full tensor. Its
+chunks come from the parameter's `ShardLayout` (te_parallel.parallel.sharding) and, under FSDP2,
+from the data-parallel DTensor's own chunk of the TP-local tensor. It implements DCP's checkpoint
+protocol (`__create_write_items__`, `__create_chunk_list__`, `__get_tensor_shard__`, the hooks DTensor
+uses), so the default planners save and reshard it; no other tensor operation is defined on it.
+Why this and not DTensor placements or ShardedTensor: docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+try:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed: no DCP to write for, and no DTensor to meet
+    DTensor = ()
+
+from te_parallel.parallel.sharding import ShardLayout, shard_layouts
+
+# path components that torch's state-dict functions leave out of fully qualified names (activation
+# checkpointing, torch.compile and FSDP1 wrappers); DDP's root "module." is removed by unwrapping the root
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+Chunk = Tuple[Tuple[int, ...], Tuple[int, ...], torch.Tensor]  # (offsets in the full tensor, sizes, view)
+
+
+class GlobalShards(torch.Tensor):
+    """A state-dict entry for DCP: a tensor of the full (TP=1) shape `full_shape` of which this rank
+    holds `chunks`, (offsets, sizes, view of the local tensor) each. `source` is the state-dict value it
+    was made from (the parameter, its FSDP2 DTensor, or an optimizer state tensor): what DCP writes
+    into the views on load is already in `source`. Only DCP's checkpoint protocol is defined on it."""
+
+    # _make_wrapper_subclass and _disabled_torch_function_impl: the standard hooks of a tensor subclass
+    # without storage of its own (DTensor is built on them), in every torch version supported.
+    @staticmethod
+    def __new__(cls, source: torch.Tensor, full_shape: Sequence[int], chunks: Sequence[Chunk]):
+        local = source.to_local() if isinstance(source, DTensor) else source
+        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(full_shape), dtype=local.dtype,
+                                                  device=local.device, requires_grad=False)
+        out.source, out.chunks = source, list(chunks)
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"GlobalShards is a checkpoint entry for torch.distributed.checkpoint only; {func} is not "
+                        f"defined on it (load it with te_parallel.load_dcp_state_dict, or use .source)")
+
+    def __repr__(self) -> str:
+        spans = ", ".join(f"{tuple(o)}+{tuple(s)}" for o, s, _ in self.chunks)
+        return f"GlobalShards(shape={tuple(self.shape)}, dtype={self.dtype}, chunks=[{spans}])"
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)),
+                              properties=TensorProperties.create_from_tensor(view), size=self.shape))
+                for off, size, view in self.chunks]
+
+    def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)) for off, size, _ in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for off, _, view in self.chunks:
+            if torch.Size(off) == index.offset:
+                return view
+        raise ValueError(f"GlobalShards {index.fqn}: no chunk at offset {tuple(index.offset or ())} on this rank "
+                         f"(chunks at {[tuple(o) for o, _, _ in self.chunks]})")
+
+
+def global_chunks(layout: ShardLayout, offsets: Sequence[int], sizes: Sequence[int]) -> List[Tuple[tuple, tuple, int]]:
+    """The box of the TP-local tensor at `offsets` with `sizes` (all of it, or a data-parallel shard of
+    it) as boxes of the full tensor: [(full offsets, sizes, start along layout.dim inside the box)].
+    Only the split dim moves: the pieces of the layout cut the box there and place each cut at its
+    global start; the other dims keep their coordinates. Empty boxes are left out."""
+    offsets, sizes = tuple(int(v) for v in offsets), tuple(int(v) for v in sizes)
+    if any(n == 0 for n in sizes):
+        return []
+    if layout.dim is None:
+        return [(offsets, sizes, 0)]
+    d = layout.dim
+    lo, hi = offsets[d], offsets[d] + sizes[d]
+    out = []
+    for local_start, global_start, length in layout.pieces:
+        a, b = max(lo, local_start), min(hi, local_start + length)
+        if a < b:
+            out.append((offsets[:d] + (global_start + a - local_start,) + offsets[d + 1:],
+                        sizes[:d] + (b - a,) + sizes[d + 1:], a - lo))
+    return out
+
+
+def global_shards(name: str, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """`value` (a TP-local tensor, or its FSDP2 DTensor) as a GlobalShards in full-tensor coordinates;
+    `value` itself where the layout is replicated (DCP then keeps one copy of what every rank holds)."""
+    if layout.dim is None:
+        return value
+    if tuple(value.shape) != tuple(layout.local_shape):
+        raise ValueError(f"dcp_state_dict: {name} has shape {tuple(value.shape)} but its ShardLayout describes a "
+                         f"local shape {tuple(layout.local_shape)} (full {tuple(layout.full_shape)})")
+    if isinstance(value, DTensor):
+        (box,) = value.__create_chunk_list__()  # this rank's box of the TP-local tensor (FSDP2 may pad: not in it)
+        local, offsets, sizes = value.to_local(), box.offsets, box.sizes
+    else:
+        local, offsets, sizes = value, (0,) * value.dim(), tuple(value.shape)
+    chunks = [(off, size, local.narrow(layout.dim, start, size[layout.dim]))
+              for off, size, start in global_chunks(layout, offsets, sizes)]
+    return GlobalShards(value, layout.full_shape, chunks)
+
+
+def dcp_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                   process_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+    """{"model": ..., "optim": ...} for dcp.save, and the template dcp.load fills in place.
+
+    torch's get_model_state_dict / get_optimizer_state_dict (FSDP2, DDP and compiled models as torch
+    handles them), with every TP-sharded parameter and its optimizer state as a GlobalShards. Buffers
+    (the FP8 scaling state among them) are StoredOnce entries: bytes, one copy, of the first rank of
+    `process_group` (the ranks that make this call together, as for dcp.save; default: the default
+    group when torch.distributed is initialized), so the checkpoint holds one consistent state even
+    where data-parallel replicas' FP8 states differ.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dcp_state_dict: model must be an nn.Module, got {type(model).__name__}")
+    layouts = model_layouts(model)
+    model_sd = dict(get_model_state_dict(model))
+    missing = sorted(set(layouts) - set(model_sd))
+    if missing:
+        raise ValueError(f"dcp_state_dict: parameters {missing[:3]} are not in the model's state dict; "
+                         f"te_parallel needs every TP-sharded parameter under its own name")
+    for name, value in model_sd.items():
+        model_sd[name] = _high_precision(value)
+    for name, layout in layouts.items():
+        model_sd[name] = global_shards(name, model_sd[name], layout)
+    param_names = {_fqn(n) for n, _ in _root(model).named_parameters(remove_duplicate=False)}
+    _replicate_buffers(model_sd, param_names, process_group)
+    out = {"model": model_sd}
+    if optimizer is not None:
+        out["optim"] = _optimizer_entries(get_optimizer_state_dict(model, optimizer), layouts)
+    return out
+
+
+def load_dcp_state_dict(model: nn.Module, state_dict: Mapping[str, Any],
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """After dcp.load(state_dict) into a dcp_state_dict template: load it into the model (FP8 scaling
+    state, quantized-weight caches) and the optimizer (param groups), through torch's
+    set_model_state_dict / set_optimizer_state_dict. The tensors DCP wrote are already in place."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    if not isinstance(state_dict, Mapping) or "model" not in state_dict:
+        got = sorted(state_dict)[:4] if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise ValueError(f"load_dcp_state_dict: state_dict must be what dcp_state_dict returned ({{'model': ..., "
+                         f"'optim': ...}}), got {got}")
+    if optimizer is not None and "optim" not in state_dict:
+        raise ValueError("load_dcp_state_dict: an optimizer was given but state_dict has no 'optim' entry; "
+                         "make the template with dcp_state_dict(model, optimizer)")
+    set_model_state_dict(model, _sources(state_dict["model"]))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, _sources(state_dict["optim"]))
+    for module in model.modules():  # weights changed under them (writes through views keep versions right too)
+        drop = getattr(module, "drop_fp8_weight_cache", None)
+        if drop is not None:
+            drop()
+
+
+def _high_precision(value: Any) -> Any:
+    """A quantized parameter (an FP8 weight: a tensor subclass with `dequantize()`, or its FSDP2 DTensor)
+    as a plain high-precision copy of its value: DCP then stores and reshards it like any weight, and a
+    model with or without FP8 weights can load it (load_dcp_state_dict quantizes it back on the way in).
+    Anything else is returned as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if type(local) is torch.Tensor or not callable(getattr(local, "dequantize", None)):
+        return value
+    plain = local.dequantize()
+    if isinstance(value, DTensor):
+        return DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    return plain
+
+
+def model_layouts(model: nn.Module) -> Dict[str, ShardLayout]:
+    """The TP-sharded parameters' layouts under the names torch's state-dict functions give them (every
+    name of a shared parameter: the state dict holds it under each)."""
+    root = _root(model)
+    layouts = shard_layouts(root)
+    first = {id(p): name for name, p in root.named_parameters()}
+    out = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        layout = layouts[first[id(p)]]
+        if layout.dim is not None:
+            out[_fqn(name)] = layout
+    return out
+
+
+def _root(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _fqn(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _optimizer_entries(optim_sd: Dict[str, Any], layouts: Dict[str, ShardLayout]) -> Dict[str, Any]:
+    """Optimizer state of a TP-sharded parameter (the tensors shaped like it: moments, not `step`) as
+    GlobalShards of the parameter's layout."""
+    state = {}
+    for name, entries in optim_sd.get("state", {}).items():
+        layout = layouts.get(name)
+        if layout is None or not isinstance(entries, Mapping):
+            state[name] = entries
+            continue
+        state[name] = {k: global_shards(f"{name}.{k}", v, layout)
+                       if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(layout.local_shape) else v
+                       for k, v in entries.items()}
+    return {**optim_sd, "state": state}
+
+
+class StoredOnce:
+    """A replicated buffer's entry (the FP8 scaling state's among them): DCP stores it as bytes, one copy,
+    and loads it whatever its shape, since a fresh model's amax histories need not have the saved
+    length (the recipe's amax_history_len). It pickles as the plain tensor, so a load hands back a
+    plain tensor, also to code that never imported te_parallel."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce_ex__(self, protocol):
+        return self.tensor.__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return f"StoredOnce(shape={tuple(self.tensor.shape)}, dtype={self.tensor.dtype})"
+
+
+def _replicate_buffers(model_sd: Dict[str, Any], params, group: Optional[dist.ProcessGroup]) -> None:
+    """Every plain-tensor buffer entry becomes a StoredOnce of the group's first rank's value (one
+    broadcast per dtype and device). DCP keeps one copy of an entry that all ranks write, chosen per
+    entry: without the broadcast, the saved FP8 scales and amax histories of replicas whose states
+    differ could come from different replicas."""
+    names = [n for n, v in model_sd.items()
+             if n not in params and isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
+    if names and dist.is_available() and dist.is_initialized():
+        group = group if group is not None else dist.group.WORLD
+        src = dist.get_process_group_ranks(group)[0]
+        by_kind: Dict[Tuple[torch.dtype, torch.device], List[str]] = {}
+        for n in names:
+            by_kind.setdefault((model_sd[n].dtype, model_sd[n].device), []).append(n)
+        for kind_names in by_kind.values():
+            flat = torch.cat([model_sd[n].detach().reshape(-1) for n in kind_names])
+            dist.broadcast(flat, src=src, group=group)
+            for n, part in zip(kind_names, flat.split([model_sd[n].numel() for n in kind_names])):
+                model_sd[n] = part.view_as(model_sd[n]).clone()  # own storage: pickled alone
+    for n in names:
+        model_sd[n] = StoredOnce(model_sd[n].detach())
+
+
+def _sources(tree: Any) -> Any:
+    """The state dict with every GlobalShards and StoredOnce replaced by the tensor it was made from (a
+    StoredOnce that DCP loaded is already a plain tensor)."""
+    if isinstance(tree, GlobalShards):
+        return tree.source
+    if isinstance(tree, StoredOnce):
+        return tree.tensor
+    if isinstance(tree, Mapping):
+        return {k: _sources(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_sources(v) for v in tree]
+    return tree
