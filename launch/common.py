@@ -3,7 +3,8 @@
     from common import init_distributed      # launch/ is on sys.path when you run launch/<script>.py
     rank, world_size, local_rank, device = init_distributed()
 
-Works under torchrun (launch/torchrun.sh), mpirun (launch/mpirun.sh) and srun (launch/slurm.sbatch).
+Works under torchrun (launch/torchrun.sh, and launch/slurm.sbatch, which starts one torchrun per
+node), mpirun (launch/mpirun.sh) and srun starting one task per GPU.
 """
 import datetime
 import os

@@ -42,6 +42,7 @@ MISTAKES = {
     "too little text": (["--corpus-bytes", "20000"], "--corpus-bytes 20000"),
     "not a number": (["--tp", "two"], "--tp"),
     "unknown flag": (["--hiden", "64"], "--hiden"),
+    "unknown data-parallel engine": (["--dp-engine", "fsdp"], "--dp-engine"),
 }
 if not torch.cuda.is_available():
     MISTAKES["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
@@ -134,9 +135,10 @@ def test_first_run_names_its_files_and_checkpoint(first_run):
     assert result.stdout.splitlines()[0].startswith("train_gpt: 2 processes on the CPU (gloo): tp=2 dp=1")
     assert f"saved the checkpoint to {out / 'checkpoint'}" in result.stdout
     assert _last_line(result) == (f"train_gpt: wrote {out / 'log.json'}, checkpoint {out / 'checkpoint'}/ "
-                                  f"(config.json, rank0.pt, rank1.pt)")
-    for name in ("log.json", "checkpoint/config.json", "checkpoint/rank0.pt", "checkpoint/rank1.pt"):
+                                  f"(config.json and a torch.distributed.checkpoint of 2 processes)")
+    for name in ("log.json", "checkpoint/config.json", "checkpoint/.metadata"):
         assert (cwd / out / name).is_file(), name
+    assert "tokens/s, MFU n/a" in result.stdout
     assert json.loads((cwd / out / "checkpoint" / "config.json").read_text())["step"] == 2
 
 
@@ -164,13 +166,16 @@ def test_resume_with_other_sizes_is_refused(first_run, tmp_path):
     result = _run(TINY + ["--resume", str(ckpt), "--nproc", "1", "--tp", "1", "--out", str(tmp_path / "o")], cwd,
                   timeout=60)
     _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"), "--tp 2")
-    # a checkpoint without config.json: the sizes come from rank0.pt's shapes
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for name in ("rank0.pt", "rank1.pt"):
-        (bare / name).write_bytes((ckpt / name).read_bytes())
-    result = _run(TINY + ["--resume", str(bare), "--layers", "2", "--out", str(tmp_path / "o")], cwd, timeout=60)
-    _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"), "--layers 1")
+    # a save that did not finish (no config.json), and a checkpoint of the earlier one-file-per-process format
+    unfinished, legacy = tmp_path / "unfinished", tmp_path / "legacy"
+    unfinished.mkdir()
+    (unfinished / ".metadata").write_bytes((ckpt / ".metadata").read_bytes())
+    legacy.mkdir()
+    (legacy / "rank0.pt").write_bytes(b"")
+    for directory, needle in ((unfinished, "has no config.json: its save did not finish"),
+                              (legacy, "earlier version of this trainer")):
+        result = _run(TINY + ["--resume", str(directory), "--out", str(tmp_path / "o")], cwd, timeout=60)
+        _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"), needle)
 
 
 def _layout(monkeypatch, argv, gpus=0, capability=(9, 0), env=None):
@@ -213,3 +218,25 @@ def test_launcher_world_is_checked(monkeypatch):
     expected = r"--tp 4 does not divide the 6 processes \(WORLD_SIZE=6\); use --tp 1 or --tp 2"
     with pytest.raises(CliError, match=expected):
         check_sizes(args, layout.tp, layout.nproc, layout.world_fixed, layout.what, layout.can_add)
+
+
+def test_mfu_counts_model_flops_against_the_datasheet_peak(monkeypatch):
+    """6·N + 12·L·h·s model FLOPs per token (N: every parameter but the embedding table), the dense
+    datasheet peak of the GPU by name and precision, n/a where no peak is known."""
+    from te_parallel.examples.gpt import GPT, GPTConfig
+    from te_parallel.examples.throughput import flops_per_token, mfu, peak_flops, summary
+
+    gpt = GPT(GPTConfig(256, 2, 64, 4, 256, 64))
+    n = sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith("embed."))
+    assert gpt.matmul_params() == n
+    assert flops_per_token(n, 2, 64, 64) == 6 * n + 12 * 2 * 64 * 64
+    gpu = torch.device("cuda", 0)
+    for name, precision, peak in [("NVIDIA H100 80GB HBM3", "bf16", 989.4e12), ("NVIDIA H100 80GB HBM3", "fp8", 1978.9e12),
+                                  ("NVIDIA H100 PCIe", "fp8", 1513e12), ("NVIDIA H200", "bf16", 989.4e12),
+                                  ("NVIDIA H200 NVL", "fp8", 1670.5e12), ("NVIDIA A100-SXM4-80GB", "bf16", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops(gpu, precision) == peak, name
+    assert peak_flops(torch.device("cpu"), "bf16") is None
+    assert mfu(4e15, 2.0, 1e15, 4) == 0.5 and mfu(4e15, 2.0, None, 4) is None
+    log = [{"tokens_per_s": 10.0 * (i + 1), "mfu": None} for i in range(3)]
+    assert summary(log, None, 2, "fp32", torch.device("cpu")) == "25 tokens/s, MFU n/a on the CPU"

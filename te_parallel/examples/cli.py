@@ -11,6 +11,7 @@ import sys
 
 DEFAULT_OUT = "runs/gpt"
 RECIPE_NAMES = ("off", "delayed", "current")
+DP_ENGINES = ("fsdp2", "ddp")  # data_parallel.py builds them
 
 
 class CliError(ValueError):
@@ -39,6 +40,11 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size: processes that split every layer; must divide the number of processes "
                         "and --heads (default: 2; 1 when the run has a single GPU)")
+    g.add_argument("--dp-engine", choices=DP_ENGINES, default="fsdp2",
+                   help="how the data-parallel replicas (processes / --tp of them) share the work: fsdp2 shards "
+                        "parameters, gradients and optimizer state over them (PyTorch's fully_shard on every "
+                        "transformer block), ddp keeps whole replicas and all-reduces the gradients "
+                        "(DistributedDataParallel); no effect with one replica")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="between the layers, keep 1/tp of the sequence on each TP rank (needs --seq-len divisible "
                         "by --tp; no effect with --tp 1)")
@@ -95,11 +101,12 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite", action="store_true",
                    help="allow writing over the run in --out and the checkpoint in --save")
     g.add_argument("--save", default=None,
-                   help="checkpoint directory (one file per process and config.json), written every --save-every "
-                        "steps and at the end (default: none; <out>/checkpoint with --stop-after)")
+                   help="checkpoint directory (a torch.distributed.checkpoint of model, optimizer, step, random "
+                        "streams and data position, plus config.json), written every --save-every steps and at "
+                        "the end (default: none; <out>/checkpoint with --stop-after)")
     g.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     g.add_argument("--resume", default=None,
-                   help="continue from this --save directory, exactly, with the same sizes and processes "
+                   help="continue from this --save directory, exactly, with the same sizes, --tp and processes "
                         "(default: start from scratch)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="stop after this many steps of this run and save a checkpoint (default: run to --steps)")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import te_parallel as te
-from te_parallel.parallel.groups import group_size
+from te_parallel.parallel.groups import as_group, group_size
 from te_parallel.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -30,9 +30,10 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group=None, sequence_parallel: bool = False, tracker=None, device=None,
                  ub_comm=None) -> None:
+        """tp_group: the TP ranks as a 1-D DeviceMesh (e.g. mesh["tp"]) or a ProcessGroup; None for TP=1."""
         super().__init__()
-        self.cfg, self.tp_group = cfg, tp_group
-        tp = group_size(tp_group)
+        self.cfg, self.tp_group = cfg, as_group("GPT", "tp_group", tp_group)[0]
+        tp = group_size(self.tp_group)
         sp = sequence_parallel and tp > 1
         init = lambda w: nn.init.normal_(w, 0.0, 0.02)  # noqa: E731
         out_init = lambda w: nn.init.normal_(w, 0.0, 0.02 / math.sqrt(2 * cfg.layers))  # noqa: E731
@@ -69,6 +70,13 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("proj.weight", "fc2_weight")) else 0.02
                 full = torch.randn(shape, generator=gen) * std
             p.copy_(full.chunk(tp, dim)[rank] if dim is not None else full)
+
+    def matmul_params(self) -> int:
+        """Parameters of the full (TP=1) model that multiply activations: all but the embedding table
+        (a lookup). The same at any TP size, and under FSDP2 (a DTensor's numel is its dp-global one)."""
+        tp = group_size(self.tp_group)
+        return sum(p.numel() * (tp if _shard_dim(name) is not None else 1)
+                   for name, p in self.named_parameters() if not name.startswith("embed."))
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)                              # [s(/tp), b, h]

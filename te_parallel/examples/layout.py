@@ -164,5 +164,7 @@ def describe(args, layout: Layout) -> str:
     fp8 = f"fp8 {args.fp8}" if args.fp8 != "off" else "no fp8"
     extra = f" ({'; '.join(layout.notes)})" if layout.notes else ""
     overlap = ", comm-GEMM overlap" if args.overlap else ""
-    return (f"train_gpt: {procs} on {where}: tp={layout.tp} dp={layout.nproc // layout.tp}, {sp}{overlap}, {fp8}, "
+    dp = layout.nproc // layout.tp
+    engine = f" ({args.dp_engine})" if dp > 1 else ""
+    return (f"train_gpt: {procs} on {where}: tp={layout.tp} dp={dp}{engine}, {sp}{overlap}, {fp8}, "
             f"{precision}{extra}")

@@ -1,20 +1,22 @@
 """The trainer's files: an --out that never silently replaces an earlier run, the checkpoint's
 config.json (read before any process starts, to check --resume), and the line naming what was written.
 
-A checkpoint directory holds rank<r>.pt for every process and config.json (the sizes and settings
-of the run that saved it, and its step). A directory without config.json (written by an older
-trainer) is still checked: its sizes are read from rank0.pt's tensor shapes.
+A checkpoint directory is a torch.distributed.checkpoint (its index `.metadata` and one data file
+per writing process; checkpoint.py says what it holds) plus config.json: the sizes and settings of
+the run that saved it, and its step. config.json is written last, so a directory without it holds an
+unfinished save.
 """
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from te_parallel.examples.cli import DEFAULT_OUT, CliError
 
 CONFIG = "config.json"
+METADATA = ".metadata"  # DCP's index of the saved tensors
+LEGACY = "rank0.pt"  # the one-file-per-process format of earlier versions of this trainer
 # sizes a checkpoint can only be loaded with (the heads would load but mean other weights)
 SIZE_FLAGS = {"layers": "--layers", "hidden": "--hidden", "heads": "--heads", "ffn": "--ffn", "tp": "--tp",
               "world": "--nproc"}
@@ -29,7 +31,8 @@ def holds_run(path) -> bool:
 
 
 def holds_checkpoint(path) -> bool:
-    return (Path(path) / "rank0.pt").is_file()
+    """Any checkpoint, finished or not, of this trainer's format or the earlier one."""
+    return any((Path(path) / name).is_file() for name in (CONFIG, METADATA, LEGACY))
 
 
 def choose_out(args) -> Optional[str]:
@@ -58,7 +61,7 @@ def choose_save(args) -> None:
     if args.save is None and args.stop_after is not None:
         args.save = str(Path(args.out) / "checkpoint")
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
-        raise CliError(f"--save {args.save} is a file; give a directory (it will hold one file per process)")
+        raise CliError(f"--save {args.save} is a file; give a directory (it will hold the checkpoint's files)")
     if not args.save or not holds_checkpoint(args.save) or args.overwrite:
         return
     if args.resume and Path(args.resume).resolve() == Path(args.save).resolve():
@@ -68,44 +71,36 @@ def choose_save(args) -> None:
 
 
 def checkpoint_config(args, world: int, step: int) -> dict:
+    """config.json: the sizes, the settings, the step; and the data-parallel engine, for information
+    only (a checkpoint loads under either: DCP moves between FSDP2's shards and DDP's whole tensors)."""
     cfg = {k: getattr(args, k) for k in SIZE_FLAGS if k != "world"}
-    cfg.update({k: getattr(args, k) for k in SETTING_FLAGS}, world=world, step=step)
+    cfg.update({k: getattr(args, k) for k in SETTING_FLAGS}, world=world, step=step, dp_engine=args.dp_engine)
     return cfg
 
 
-def _infer_config(directory: Path) -> dict:
-    """Sizes of a checkpoint without config.json, from rank0.pt's shapes (not the heads)."""
-    import torch
-
-    try:
-        state = torch.load(directory / "rank0.pt", map_location="cpu", mmap=True, weights_only=True)
-        model = state["model"]
-        vocab_local, hidden = model["embed.weight"].shape
-        tp = 256 // vocab_local
-        layers = 1 + max(int(m.group(1)) for k in model if (m := re.match(r"layers\.(\d+)\.", k)))
-        fc1 = next(v for k, v in model.items() if k.endswith("fc1_weight"))
-    except Exception as e:  # noqa: BLE001 (any unreadable file gets the same one-line answer)
-        raise CliError(f"--resume {directory}: rank0.pt is not a checkpoint of this trainer ({type(e).__name__}); "
-                       f"give the --save directory of an earlier run") from None
-    return {"layers": layers, "hidden": hidden, "tp": tp, "ffn": fc1.shape[0] * tp, "step": state.get("step")}
-
-
 def read_checkpoint(path: str) -> dict:
-    """The checkpoint's config (with 'files': its rank files' count), or a CliError."""
+    """The checkpoint's config.json, or a CliError."""
     directory = Path(path)
     if not directory.exists():
         raise CliError(f"--resume {path}: no such directory; give the --save directory of an earlier run")
-    if not directory.is_dir() or not holds_checkpoint(directory):
-        raise CliError(f"--resume {path} holds no checkpoint (no rank0.pt); give the --save directory of an "
+    if (directory / LEGACY).is_file() and not (directory / METADATA).is_file():
+        raise CliError(f"--resume {path} holds a checkpoint of an earlier version of this trainer (one rank<r>.pt "
+                       f"per process), which this one does not read; start from scratch, or resume it with that "
+                       f"version")
+    if not directory.is_dir() or not (directory / METADATA).is_file():
+        raise CliError(f"--resume {path} holds no checkpoint (no {METADATA}); give the --save directory of an "
                        f"earlier run")
-    ranks = len(list(directory.glob("rank*.pt")))
+    if not (directory / CONFIG).is_file():
+        raise CliError(f"--resume {path} has no {CONFIG}: its save did not finish; resume from a complete "
+                       f"checkpoint")
     try:
-        cfg = json.loads((directory / CONFIG).read_text()) if (directory / CONFIG).is_file() else None
+        cfg = json.loads((directory / CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise CliError(f"--resume {path}: cannot read {CONFIG} ({e})") from None
-    cfg = cfg if isinstance(cfg, dict) else _infer_config(directory)
-    cfg.setdefault("world", ranks)
-    return cfg | {"files": ranks}
+    if not isinstance(cfg, dict) or not all(k in cfg for k in SIZE_FLAGS):
+        raise CliError(f"--resume {path}: {CONFIG} does not hold the sizes {', '.join(SIZE_FLAGS)}; give the --save "
+                       f"directory of an earlier run")
+    return cfg
 
 
 def check_resume(args, nproc: int, launched: bool) -> List[str]:
@@ -123,9 +118,6 @@ def check_resume(args, nproc: int, launched: bool) -> List[str]:
     if diff:
         raise CliError(f"--resume {args.resume} was saved with {flags(cfg, diff)}, and this run has "
                        f"{flags(mine, diff)}; rerun with {flags(cfg, diff)}")
-    if cfg["files"] < nproc:
-        raise CliError(f"--resume {args.resume} holds {cfg['files']} of the {nproc} rank files (rank0.pt ... "
-                       f"rank{nproc - 1}.pt); give a complete checkpoint directory")
     step = cfg.get("step")
     if isinstance(step, int) and step >= args.steps:
         raise CliError(f"--resume {args.resume} is at step {step}, and --steps {args.steps} leaves nothing to train; "
@@ -148,8 +140,7 @@ def written_files(args, nproc: int) -> str:
     out = Path(args.out)
     parts = [str(p) for p in (out / "log.json", out / "loss.png") if p.is_file() and
              (p.name != "loss.png" or not args.no_plot)]
-    if args.save and holds_checkpoint(args.save):
-        ranks = [f"rank{r}.pt" for r in range(nproc)]
-        names = ", ".join(ranks) if nproc <= 4 else f"{ranks[0]} ... {ranks[-1]}"
-        parts.append(f"checkpoint {Path(args.save)}/ ({CONFIG}, {names})")
+    if args.save and (Path(args.save) / CONFIG).is_file():
+        parts.append(f"checkpoint {Path(args.save)}/ ({CONFIG} and a torch.distributed.checkpoint of {nproc} "
+                     f"process{'es' if nproc > 1 else ''})")
     return "train_gpt: wrote " + ", ".join(parts) if parts else "train_gpt: wrote no files"

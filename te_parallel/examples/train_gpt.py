@@ -2,13 +2,16 @@
 
     python examples/train_gpt.py                      # the GPUs (one process each), else 2 CPU processes
     torchrun --nproc-per-node=8 examples/train_gpt.py --tp 4 --layers 6 --hidden 512 --steps 2000
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NPROC=8 launch/torchrun.sh examples/train_gpt.py
+    sbatch launch/slurm.sbatch examples/train_gpt.py --tp 8
     NP=2 launch/mpirun.sh examples/train_gpt.py --tp 2
 
-Without a launcher it starts the processes itself: one per GPU, or 2 on the CPU (--nproc). world =
-tp x dp; ranks [k*tp, (k+1)*tp) form a TP group. It prints one line with the layout it chose, trains
-with a progress bar, and ends with a line naming every file it wrote: <out>/log.json (config, per-step
-loss, tokens/s, validation loss), <out>/loss.png, and with --save DIR a checkpoint that --resume DIR
-continues exactly.
+Without a launcher it starts the processes itself: one per GPU, or 2 on the CPU (--nproc). The
+processes form a 2-D mesh ("dp", "tp") of dp = world / tp rows: te_parallel's TP (+SP) inside each
+row, PyTorch's FSDP2 (or DDP, --dp-engine) across the rows. It prints one line with the layout it
+chose, trains with a progress bar, prints tokens/s and MFU, and ends with a line naming every file
+it wrote: <out>/log.json (config, per-step loss, tokens/s, MFU, validation loss), <out>/loss.png,
+and with --save DIR a torch.distributed.checkpoint that --resume DIR continues exactly.
 """
 from __future__ import annotations
 
@@ -18,16 +21,18 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import te_parallel as te
 from te_parallel import recipe
 from te_parallel.examples.checks import check_numbers, check_sizes
 from te_parallel.examples.cli import CliError, build_parser, fail
+from te_parallel.examples.checkpoint import load_checkpoint, save_checkpoint
 from te_parallel.examples.data import VOCAB, ByteData
+from te_parallel.examples.data_parallel import apply_data_parallel
 from te_parallel.examples.gpt import GPT, GPTConfig
 from te_parallel.examples.layout import Launch, describe, plan_layout
-from te_parallel.examples.runs import CONFIG, check_resume, checkpoint_config, choose_out, choose_save, written_files
+from te_parallel.examples.runs import check_resume, checkpoint_config, choose_out, choose_save, written_files
+from te_parallel.examples.throughput import flops_per_token, gemm_precision, mfu, peak_flops, steady, summary
 from te_parallel.examples.world import World, destroy, init_world, run_world
 from te_parallel.parallel.random import CudaRNGStatesTracker, model_parallel_seed
 
@@ -56,6 +61,10 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def make_optimizer(params, args) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+
 class Trainer:
     def __init__(self, args, world: World) -> None:
         self.args, self.world = args, world
@@ -68,17 +77,20 @@ class Trainer:
             dtype = torch.bfloat16 if world.device.type == "cuda" and (args.precision or "bf16") == "bf16" else torch.float32
             self.ub = te.initialize_ub([args.seq_len * args.micro_batch, args.hidden], world.tp_group,
                                        use_fp8=RECIPES[args.fp8] is not None, dtype=dtype)
-        self.model = GPT(cfg, world.tp_group, args.sequence_parallel, self.tracker, device=world.device,
-                         ub_comm=self.ub)
-        self.model.init_like_single_rank(args.seed)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+        gpt = GPT(cfg, world.tp_mesh, args.sequence_parallel, self.tracker, device=world.device, ub_comm=self.ub)
+        gpt.init_like_single_rank(args.seed)
+        self.recipe = RECIPES[args.fp8]() if RECIPES[args.fp8] else None
+        self.flops_per_step = (flops_per_token(gpt.matmul_params(), args.layers, args.hidden, args.seq_len)
+                               * args.seq_len * args.micro_batch * world.dp)
+        self.model = apply_data_parallel(gpt, world, args.dp_engine)  # before the optimizer sees the parameters
+        self.opt = make_optimizer(self.model.parameters(), args)
         self.data = ByteData(args.corpus_bytes, args.seq_len)
         self.gen = torch.Generator().manual_seed(args.seed * 1000 + world.dp_rank)  # same batch within a TP group
         self.val = self.data.val_batches(args.eval_batches, args.micro_batch, world.device)
-        self.recipe = RECIPES[args.fp8]() if RECIPES[args.fp8] else None
         self.step, self.log = 0, []
-        precision = args.precision or ("bf16" if world.device.type == "cuda" else "fp32")
-        self.autocast = dict(device_type=world.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+        self.precision = args.precision or ("bf16" if world.device.type == "cuda" else "fp32")
+        self.autocast = dict(device_type=world.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+        self.peak = peak_flops(world.device, gemm_precision(args.fp8, self.precision))
 
     def loss(self, ids, targets):
         with te.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe, fp8_group=self.world.fp8_group):
@@ -86,49 +98,55 @@ class Trainer:
                 return self.model(ids, targets)
 
     def train_step(self) -> float:
+        """One optimizer step; the data-parallel engine averages the gradients during backward."""
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, self.args)
         ids, targets = self.data.batch(self.gen, self.args.micro_batch, self.world.device)
         loss = self.loss(ids, targets)
         loss.backward()
-        self.world.average_grads(self.model)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         return self.world.dp_mean(loss.detach())
 
+    def timed_step(self) -> dict:
+        """train_step, with its tokens/s and MFU (None without a known peak, e.g. on the CPU)."""
+        start = time.perf_counter()
+        loss = self.train_step()
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = self.args.seq_len * self.args.micro_batch * self.world.dp
+        return {"step": self.step, "loss": loss, "tokens_per_s": tokens / seconds,
+                "mfu": mfu(self.flops_per_step, seconds, self.peak, self.world.size)}
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        total = sum(self.loss(ids, t).item() for ids, t in self.val) / len(self.val)
+        total = 0.0
+        for ids, targets in self.val:
+            self.drop_fp8_weights()
+            total += self.loss(ids, targets).item()
+        self.drop_fp8_weights()
         self.model.train()
-        return self.world.dp_mean(torch.tensor(total, device=self.world.device))
+        return self.world.dp_mean(torch.tensor(total / len(self.val), device=self.world.device))
 
-    def state(self) -> dict:
-        cuda = torch.cuda.get_rng_state(self.world.device) if self.world.device.type == "cuda" else None
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step, "log": self.log,
-                "gen": self.gen.get_state(), "cpu_rng": torch.get_rng_state(), "cuda_rng": cuda,
-                "tracker": self.tracker.get_states()}
+    def drop_fp8_weights(self) -> None:
+        """A forward without grad keeps its FP8 weights for the next one while the parameters' version
+        counters and addresses stand still. FSDP2 re-gathers the unsharded parameters into fresh
+        memory without bumping their version counters: whether the next forward reuses the weights
+        (cast at the previous pass's scale) would depend on the allocator, and a training forward
+        after the evaluation could reuse weights that the optimizer has changed since. So each
+        evaluation forward casts its own weights, as TE does, and none are left behind."""
+        for m in self.model.modules():
+            if hasattr(m, "drop_fp8_weight_cache"):
+                m.drop_fp8_weight_cache()
 
     def save(self, directory: str) -> None:
-        """rank<r>.pt per process, and config.json (sizes, settings, step) that --resume checks first."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state(), Path(directory) / f"rank{self.world.rank}.pt")
-        if self.world.rank == 0:
-            cfg = checkpoint_config(self.args, self.world.size, self.step)
-            (Path(directory) / CONFIG).write_text(json.dumps(cfg, indent=1))
-        dist.barrier()
+        save_checkpoint(directory, self, checkpoint_config(self.args, self.world.size, self.step))
 
     def load(self, directory: str) -> None:
-        st = torch.load(Path(directory) / f"rank{self.world.rank}.pt", map_location=self.world.device, weights_only=False)
-        self.model.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["opt"])
-        self.step, self.log = st["step"], st["log"]
-        self.gen.set_state(st["gen"])
-        torch.set_rng_state(st["cpu_rng"])
-        if st["cuda_rng"] is not None:
-            torch.cuda.set_rng_state(st["cuda_rng"], self.world.device)
-        self.tracker.set_states(st["tracker"])
+        self.step, self.log = load_checkpoint(directory, self)
 
 
 def train(args, world: World) -> list:
@@ -138,45 +156,46 @@ def train(args, world: World) -> list:
     bar = None
     if world.rank == 0 and not args.quiet:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=t.step, desc=f"GPT tp={world.tp} dp={world.dp} fp8={args.fp8}")
-    tokens = args.seq_len * args.micro_batch * world.dp
+        dp = f" ({args.dp_engine})" if world.dp > 1 else ""
+        bar = tqdm(total=args.steps, initial=t.step, desc=f"GPT tp={world.tp} dp={world.dp}{dp} fp8={args.fp8}")
     stop = args.steps if args.stop_after is None else min(args.steps, t.step + args.stop_after)
     last_val = float("nan")
     while t.step < stop:
-        start = time.perf_counter()
-        loss = t.train_step()
-        if world.device.type == "cuda":
-            torch.cuda.synchronize()
-        rec = {"step": t.step, "loss": loss, "tokens_per_s": tokens / (time.perf_counter() - start)}
+        rec = t.timed_step()
         evaluate = t.step % args.eval_every == 0 or t.step == args.steps
         if evaluate:
             rec["val_loss"] = last_val = t.evaluate()
         t.log.append(rec)
         if evaluate and world.rank == 0:
-            write_log(args, world, t.log, t.data)  # a killed run still leaves its curve so far
+            write_log(args, world, t)  # a killed run still leaves its curve so far
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}",
-                            tok_s=f"{rec['tokens_per_s']:.0f}")
+            util = {} if rec["mfu"] is None else {"mfu": f"{100 * rec['mfu']:.1f}%"}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", val=f"{last_val:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            **util)
         if args.save and (t.step % args.save_every == 0 or t.step == stop):
             t.save(args.save)
     if bar is not None:
         bar.close()
     if world.rank == 0:
-        write_outputs(args, world, t.log, t.data)
+        write_outputs(args, world, t)
         if t.step < args.steps:
             print(f"train_gpt: stopped at step {t.step} of {args.steps} (--stop-after {args.stop_after}); saved the "
                   f"checkpoint to {args.save}: continue with --resume {args.save}", flush=True)
     return t.log
 
 
-def write_log(args, world: World, log: list, data: ByteData) -> Path:
+def write_log(args, world: World, t: Trainer) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = dict(vars(args)) | {"world": world.size, "tp": world.tp, "dp": world.dp, "device": str(world.device)}
+    config = dict(vars(args)) | {"world": world.size, "tp": world.tp, "dp": world.dp, "device": str(world.device),
+                                 "flops_per_step": t.flops_per_step, "peak_flops_per_device": t.peak,
+                                 "mfu_precision": gemm_precision(args.fp8, t.precision)}
     if world.device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(world.device)
-    record = {"config": config, "validation_files": data.val_files, "log": log}
+    steady_mfu = steady([r["mfu"] for r in t.log if r.get("mfu") is not None])
+    speed = {"tokens_per_s": steady([r["tokens_per_s"] for r in t.log]), "mfu": steady_mfu}
+    record = {"config": config, "validation_files": t.data.val_files, "throughput": speed, "log": t.log}
     (out / "log.json").write_text(json.dumps(record, indent=1))
     return out
 
@@ -189,9 +208,9 @@ def val_note(args, data: ByteData) -> str:
             f"batch,{dropout} before its update)")
 
 
-def write_outputs(args, world: World, log: list, data: ByteData) -> None:
-    out = write_log(args, world, log, data)
-    note = val_note(args, data)
+def write_outputs(args, world: World, t: Trainer) -> None:
+    out = write_log(args, world, t)
+    log, note = t.log, val_note(args, t.data)
     if not args.no_plot:
         from te_parallel.examples.plot import plot_runs
         plot_runs({f"fp8 {args.fp8}, tp={world.tp} dp={world.dp}": log}, out / "loss.png", note=note)
@@ -200,6 +219,8 @@ def write_outputs(args, world: World, log: list, data: ByteData) -> None:
     train_end = sum(recent) / len(recent)
     print(f"train_gpt: {len(log)} steps; train loss {log[0]['loss']:.3f} -> {train_end:.3f} (mean of the last "
           f"{len(recent)} steps), validation {vals[0]:.3f} -> {vals[-1]:.3f}", flush=True)
+    print(f"train_gpt: {summary(log, t.peak, world.size, gemm_precision(args.fp8, t.precision), world.device)}",
+          flush=True)
     if vals[-1] < train_end:
         print(f"train_gpt: {note}", flush=True)
 

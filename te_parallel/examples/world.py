@@ -1,6 +1,9 @@
 """Process world of the examples: launched by torchrun / mpirun, or started here (--nproc workers).
 
-This is application code, so it owns init_process_group (the library itself never calls it).
+This is application code, so it owns init_process_group (the library itself never calls it). The
+world is a 2-D DeviceMesh ("dp", "tp"): rank r sits at (r // tp, r % tp), so the ranks
+[k*tp, (k+1)*tp) form a TP group (neighbours: the TP collectives stay on the fast links of a node)
+and the ranks r, r+tp, r+2tp, ... a data-parallel group.
 """
 from __future__ import annotations
 
@@ -12,47 +15,64 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from te_parallel.parallel.bootstrap import env_world, mpi_world
 
 MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+MESH_DIMS = ("dp", "tp")
 
 
-@dataclass
+@dataclass(frozen=True)
 class World:
-    rank: int
-    size: int
-    tp: int
+    """This process's place in the ("dp", "tp") mesh, and the groups the trainer hands out."""
+
     device: torch.device
-    tp_group: Optional[dist.ProcessGroup]
-    dp_group: Optional[dist.ProcessGroup]
+    mesh: DeviceMesh
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def tp(self) -> int:
+        return self.mesh["tp"].size()
 
     @property
     def dp(self) -> int:
-        return self.size // self.tp
+        return self.mesh["dp"].size()
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp
+        return self.mesh.get_local_rank("tp")
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.mesh.get_local_rank("dp")
 
     @property
-    def fp8_group(self):
-        """Amaxes reduced over every rank: TP ranks must share scales, DP replicas should too."""
-        return dist.group.WORLD if self.size > 1 else None
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        """The TP axis the modules get as their tp_group (None at tp=1: their one-rank path)."""
+        return self.mesh["tp"] if self.tp > 1 else None
 
-    def average_grads(self, model: torch.nn.Module) -> None:
-        if self.dp == 1:
-            return
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh["tp"].get_group() if self.tp > 1 else None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    @property
+    def fp8_group(self) -> Optional[dist.ProcessGroup]:
+        """Amaxes reduced over the whole mesh: TP ranks must share scales, and DP replicas then hold
+        the same scales too (their FP8 state, saved once per checkpoint, is identical). The mesh spans
+        the whole world by construction, so its group is the default one."""
+        return dist.group.WORLD if self.size > 1 else None
 
     def dp_mean(self, value: torch.Tensor) -> float:
         if self.dp > 1:
@@ -62,40 +82,40 @@ class World:
         return value.item()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _use_cuda(device: str, local_procs: int) -> bool:
-    if device == "cpu":
-        return False
-    return torch.cuda.is_available() and torch.cuda.device_count() >= local_procs or device == "cuda"
+def make_world(tp: int, device: torch.device) -> World:
+    """The ("dp", "tp") mesh over the default process group, which the caller has initialised."""
+    size = dist.get_world_size()
+    if size % tp:
+        raise ValueError(f"train_gpt: --tp {tp} does not divide the world size {size}")
+    mesh = init_device_mesh(device.type, (size // tp, tp), mesh_dim_names=MESH_DIMS)
+    return World(device, mesh)
 
 
 def init_world(tp: int, device: str) -> World:
+    """Starts torch.distributed from the launcher's variables (torchrun, mpirun, or those run_world
+    sets), on `device` ("cuda": one GPU per process at the local rank, NCCL; "cpu": gloo)."""
     if "RANK" not in os.environ and any(v in os.environ for v in MPI_VARS):
         os.environ.update({k.upper(): str(v) for k, v in mpi_world().items()})
     info = env_world()
     rank, size, local = info["rank"], info["world_size"], info["local_rank"]
-    cuda = _use_cuda(device, int(os.environ.get("LOCAL_WORLD_SIZE", size)))
+    cuda = device == "cuda"
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, device_id=dev if cuda else None)
-    if size % tp:
-        raise ValueError(f"train_gpt: --tp {tp} does not divide the world size {size}")
-    tp_groups = [dist.new_group(list(range(k * tp, (k + 1) * tp))) for k in range(size // tp)]
-    dp_groups = [dist.new_group(list(range(r, size, tp))) for r in range(tp)]
-    tp_group = tp_groups[rank // tp] if tp > 1 else None
-    return World(rank, size, tp, dev, tp_group, dp_groups[rank % tp])
+    return make_world(tp, dev)
 
 
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _spawned(local_rank: int, fn, args, nproc: int, port: int) -> None:

@@ -1,10 +1,13 @@
-"""The launchers end to end (launch/check_world.py under torchrun and mpirun), and world discovery
+"""The launchers end to end (launch/check_world.py under torchrun and mpirun, the trainer under
+launch/slurm.sbatch with stand-ins for srun and scontrol), and world discovery
 (te_parallel.parallel.bootstrap.env_world, launch/common.py's choice of launcher) on faked environments.
 """
 import importlib.util
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +67,47 @@ def mpi_env_or_skip() -> dict:
 
 def test_mpirun_check_world():
     _run_launcher("mpirun.sh", mpi_env_or_skip())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stand_ins(directory: Path) -> None:
+    """srun and scontrol for one node: srun drops its options and runs the command once (one task on
+    this node), scontrol names this node as the job's only host."""
+    srun = directory / "srun"
+    srun.write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n')
+    scontrol = directory / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo 127.0.0.1\n')
+    for f in (srun, scontrol):
+        f.chmod(0o755)
+
+
+def test_slurm_sbatch_runs_the_trainer_on_a_mesh(tmp_path):
+    """launch/slurm.sbatch on one node (stand-ins for srun and scontrol): its torchrun starts the trainer
+    as 2 processes of a dp2 x tp1 mesh under DDP, which trains and writes its log."""
+    _stand_ins(tmp_path)
+    env = _child_env()
+    env.update(PATH=os.pathsep.join([str(tmp_path), env["PATH"]]), SLURM_JOB_NODELIST="node[1]",
+               SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO),
+               MASTER_PORT=str(_free_port()))
+    out = tmp_path / "run"
+    args = ["examples/train_gpt.py", "--tp", "1", "--dp-engine", "ddp", "--steps", "3", "--layers", "1", "--hidden",
+            "32", "--heads", "2", "--seq-len", "16", "--micro-batch", "2", "--eval-every", "3", "--eval-batches", "1",
+            "--warmup", "1", "--corpus-bytes", "65536", "--device", "cpu", "--quiet", "--no-plot", "--out", str(out)]
+    try:
+        result = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), *args], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"slurm.sbatch did not finish in {TIMEOUT_S} s; output: {e.stdout!r} {e.stderr!r}")
+    log = f"rc={result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, log
+    assert result.stdout.count("train_gpt: 2 processes on the CPU (gloo): tp=1 dp=2 (ddp)") == 1, log
+    record = json.loads((out / "log.json").read_text())
+    assert (record["config"]["world"], record["config"]["dp"], len(record["log"])) == (2, 2, 3), log
 
 
 # --- world discovery on faked environments ---------------------------------------------------------
