@@ -172,7 +172,7 @@ class FP8Module(nn.Module):
         # A training forward without TE's micro-batch flag always casts (as TE does): the version key
         # cannot see every write, e.g. FSDP2 all-gathers new values into the same unsharded storage
         # without bumping its version, so a copy cached by an earlier no_grad forward would be stale.
-        if hit is not None and hit[0][1:] == key[1:] and (keep or is_first_microbatch is False):
+        if hit is not None and keep and hit[0][1:] == key[1:]:
             if is_first_microbatch is False or (is_first_microbatch is None and hit[0] == key):
                 return hit[1]
         # Wᵀ (for dgrad) is made in backward, not here: emitted by this cast it sits in memory through
@@ -349,13 +349,18 @@ def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
     weight, bias = module.layer_norm_weight, module.layer_norm_bias
     if module.sequence_parallel and module.tp_size > 1 and module.allreduce_sp_grads:
         weight, bias = all_reduce_grad(weight, module.tp_group), all_reduce_grad(bias, module.tp_group)
-    if torch.is_autocast_enabled(inp.device.type):
-        # torch.autocast runs layer_norm in fp32 and returns fp32; the modules' activations stay in the
-        # autocast dtype (as TE's do), so the norm runs outside autocast on the already-cast input
-        # (F.layer_norm / rms_norm compute in fp32 internally and round once).
-        with torch.autocast(inp.device.type, enabled=False):
-            return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
-    return apply_norm(module.normalization, inp, weight, bias, module.eps, module.zero_centered_gamma)
+    return norm_outside_autocast(apply_norm, inp, module.normalization, inp, weight, bias, module.eps,
+                                 module.zero_centered_gamma)
+
+
+def norm_outside_autocast(fn, x: torch.Tensor, *args):
+    """fn(*args), a norm of x already in the activation dtype. torch.autocast would run it in fp32 and
+    return fp32; the modules' activations stay in the autocast dtype (as TE's do), so the norm runs
+    outside autocast (F.layer_norm / rms_norm compute in fp32 internally and round once)."""
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(*args)
+    return fn(*args)
 
 
 def pack_outputs(out, bias, ln_out, return_bias: bool, return_layernorm_output: bool):

@@ -6,8 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from te_parallel.module.base import (activation_dtype, check_features, check_input, check_materialized, resolve_device,
-                                     resolve_dtype)
+from te_parallel.module.base import (activation_dtype, check_features, check_input, check_materialized,
+                                     norm_outside_autocast, resolve_device, resolve_dtype)
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.norm import layer_norm, rms_norm
 from te_parallel.parallel.collectives import all_reduce_grad
@@ -52,12 +52,7 @@ class _Norm(nn.Module, TensorParallelMixin):
 
     def _norm(self, fn, inp: torch.Tensor, *args) -> torch.Tensor:
         x = self._input(inp)
-        if torch.is_autocast_enabled(x.device.type):
-            # torch.autocast would run the norm in fp32 and return fp32: run it on the already-cast input
-            # (the norm computes in fp32 internally and rounds once), as the LayerNorm* modules do
-            with torch.autocast(x.device.type, enabled=False):
-                return fn(x, *args)
-        return fn(x, *args)
+        return norm_outside_autocast(fn, x, x, *args)
 
     def reset_parameters(self) -> None:
         """weight 1 (0 with zero_centered_gamma), bias 0, as at construction; after `to_empty` this
