@@ -6,11 +6,11 @@
 Rows per shape (tokens × in → out), bf16 activations and weights:
   torch bf16         torch.nn.Linear
   te bf16            te.Linear outside fp8_autocast
-  te fp8 delayed     te.Linear in fp8_autocast(DelayedScaling), weight recast every step (GEMMs below
-                     Recipe.min_fp8_gemm run in bf16: the default small-GEMM fallback)
+  te fp8 delayed     te.Linear in fp8_autocast(DelayedScaling), weight recast every step (every GEMM in FP8)
   te fp8 current     te.Linear in fp8_autocast(Float8CurrentScaling), weight recast every step
   te fp8 delayed, torch._scaled_mm GEMM   the delayed row with every FP8 GEMM through torch._scaled_mm
-                     instead of te_parallel's own cuBLASLt call (csrc/gemm; the default, ops.gemm.NATIVE_GEMM)
+                     instead of te_parallel's own cuBLASLt call (csrc/gemm; MMParams(backend="native"))
+  TE bf16 / TE fp8 delayed / TE fp8 current   NVIDIA Transformer Engine's te.Linear, when it is installed
 "ms" is per step with steps issued back to back (as a training loop runs), the median of 7 rounds that
 each time every row (common.time_interleaved: no row gains from its place in the sequence),
 "ms_synced" per step started on an idle GPU (host latency to the first kernel included).
@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, report, time_cuda, time_cuda_stream, time_interleaved, training_step,  # noqa: E402
-                    with_torch_gemm)
+from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda, time_cuda_stream,  # noqa: E402
+                    time_interleaved, training_step, transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
@@ -49,6 +49,11 @@ def bench_shape(m: int, k: int, n: int):
     if gemm_kernels.usable():
         cases.append((f"te fp8 delayed, {OTHER_GEMM_LABEL}", lin, with_torch_gemm(recipe.DelayedScaling())))
     steps = {name: training_step(mod, x, dy, rec) for name, mod, rec in cases}
+    te_peer = transformer_engine()
+    if te_peer is not None:
+        peer = te_peer.Linear(k, n, params_dtype=dt, device=dev)
+        for kind in (None, "delayed", "current"):
+            steps[f"TE {'bf16' if kind is None else 'fp8 ' + kind}"] = te_training_step(peer, x, dy, kind)
     back_to_back = time_interleaved(steps, settle=SETTLE)
     synced = {name: time_cuda(step) for name, step in steps.items()}
     base, base_synced = back_to_back["torch bf16"], synced["torch bf16"]

@@ -1,6 +1,11 @@
-"""GPT TransformerLayer fwd+bwd: plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (+ CUDA graph).
+"""TransformerLayer fwd+bwd: plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (+ CUDA graph), and
+NVIDIA Transformer Engine's TransformerLayer beside them when it is installed.
 
-    python benchmarks/bench_transformer.py [--hidden 4096 --ffn 16384 --heads 32 --seq 2048 --batch 4] [--json out.json]
+    python benchmarks/bench_transformer.py [--model gpt|llama] [--hidden --ffn --heads --gqa --seq --batch] [--json out.json]
+
+--model gpt (default): the GPT layer h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1, s2048 b4.
+--model llama: the Llama-3-8B layer h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, no
+dropout, RoPE, s4096 b1. Any size flag overrides the model's.
 
 "ms": steps issued back to back (a training loop), the median of 5 rounds that each time every row
 (common.time_interleaved; the CUDA graph row is timed after them); "ms_synced": each step started on an
@@ -31,8 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, report, time_cuda, time_cuda_stream, time_interleaved, training_step,  # noqa: E402
-                    with_torch_gemm)
+from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda, time_cuda_stream,  # noqa: E402
+                    time_interleaved, training_step, transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
@@ -54,6 +59,59 @@ class TorchLayer(torch.nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
         x = x + F.dropout(self.proj(a), 0.1)
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")), 0.1)
+
+
+class TorchLlamaLayer(torch.nn.Module):
+    """The Llama layer in plain PyTorch: RMSNorm, RoPE, GQA attention through SDPA, SwiGLU, no biases."""
+
+    def __init__(self, h: int, ffn: int, heads: int, groups: int) -> None:
+        super().__init__()
+        self.heads, self.groups, self.d = heads, groups, h // heads
+        self.n1, self.n2 = torch.nn.RMSNorm(h, eps=1e-5), torch.nn.RMSNorm(h, eps=1e-5)
+        self.qkv = torch.nn.Linear(h, h + 2 * groups * self.d, bias=False)
+        self.proj = torch.nn.Linear(h, h, bias=False)
+        self.fc1, self.fc2 = torch.nn.Linear(h, 2 * ffn, bias=False), torch.nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x, rope):  # x [s, b, h]; rope [s, 1, 1, d] (angles)
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.n1(x)).split([h, self.groups * self.d, self.groups * self.d], dim=-1)
+        q = _rotate(q.view(s, b, self.heads, self.d), rope).permute(1, 2, 0, 3)
+        k = _rotate(k.view(s, b, self.groups, self.d), rope).permute(1, 2, 0, 3)
+        v = v.view(s, b, self.groups, self.d).permute(1, 2, 0, 3)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).permute(2, 0, 1, 3).reshape(s, b, h)
+        x = x + self.proj(a)
+        gate, up = self.fc1(self.n2(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+def _rotate(t, rope):
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * rope.cos().to(t.dtype) + rotated * rope.sin().to(t.dtype)
+
+
+class WithKwargs(torch.nn.Module):
+    """layer(x, **kwargs) as a one-argument module (make_graphed_callables takes positional samples)."""
+
+    def __init__(self, layer: torch.nn.Module, kwargs: dict) -> None:
+        super().__init__()
+        self.layer, self.kwargs = layer, kwargs
+
+    def forward(self, x):
+        return self.layer(x, **self.kwargs)
+
+
+MODELS = {"gpt": dict(hidden=4096, ffn=16384, heads=32, gqa=32, seq=2048, batch=4),
+          "llama": dict(hidden=4096, ffn=14336, heads=32, gqa=8, seq=4096, batch=1)}
+
+
+def layer_kwargs(model: str, a) -> dict:
+    """TransformerLayer keywords (the same for te_parallel and TE) of the model."""
+    common = dict(params_dtype=torch.bfloat16, device="cuda", fuse_qkv_params=True)
+    if model == "gpt":
+        return dict(common, hidden_dropout=0.1, attention_dropout=0.1)
+    return dict(common, num_gqa_groups=a.gqa, normalization="RMSNorm", activation="swiglu", bias=False,
+                hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def measure(name, step, rows, ms=None, base=None):
@@ -110,38 +168,58 @@ def switched_off(what: str, layer):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for k, v in dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4).items():
-        ap.add_argument(f"--{k}", type=int, default=v)
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt")
+    for k in MODELS["gpt"]:
+        ap.add_argument(f"--{k}", type=int, default=None, help="overrides the model's size")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ablate", action="store_true", help="add FP8 rows with one optimisation off each")
     a = ap.parse_args()
+    for k, v in MODELS[a.model].items():
+        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
+    if not torch.cuda.is_available():
+        sys.exit("bench_transformer needs a CUDA GPU")
     dt = torch.bfloat16
     x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=dt, requires_grad=True)
     dy = torch.randn_like(x)
     fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, params_dtype=dt, device="cuda")
-    steps = {"torch bf16 + SDPA": training_step(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt), x, dy),
-             "te bf16": training_step(layer, x, dy),
-             "te FP8 delayed": training_step(layer, x, dy, fp8),
-             "te FP8 current": training_step(layer, x, dy, recipe.Float8CurrentScaling())}
+    kw = layer_kwargs(a.model, a)
+    layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
+    fwd = {}
+    if a.model == "llama":
+        fwd = {"rotary_pos_emb": te.RotaryPositionEmbedding(a.hidden // a.heads).to("cuda")(a.seq)}
+        baseline = TorchLlamaLayer(a.hidden, a.ffn, a.heads, a.gqa).to("cuda", dt)
+        steps = {"torch bf16 + SDPA": training_step(baseline, x, dy, rope=fwd["rotary_pos_emb"])}
+    else:
+        steps = {"torch bf16 + SDPA": training_step(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt), x, dy)}
+    steps.update({"te bf16": training_step(layer, x, dy, **fwd),
+                  "te FP8 delayed": training_step(layer, x, dy, fp8, **fwd),
+                  "te FP8 current": training_step(layer, x, dy, recipe.Float8CurrentScaling(), **fwd)})
     if gemm_kernels.usable():  # every FP8 GEMM through torch._scaled_mm instead of te_parallel's cuBLASLt call
-        steps[f"te FP8 delayed, {OTHER_GEMM_LABEL}"] = training_step(layer, x, dy, with_torch_gemm(fp8))
+        steps[f"te FP8 delayed, {OTHER_GEMM_LABEL}"] = training_step(layer, x, dy, with_torch_gemm(fp8), **fwd)
+    te_peer = transformer_engine()
+    if te_peer is not None:
+        peer = te_peer.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
+        peer_fwd = {}
+        if a.model == "llama":
+            from transformer_engine.pytorch.attention import RotaryPositionEmbedding
+            peer_fwd = {"rotary_pos_emb": RotaryPositionEmbedding(a.hidden // a.heads).to("cuda")(a.seq)}
+        for kind in (None, "delayed", "current"):
+            steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(peer, x, dy, kind, **peer_fwd)
     labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece"}
     for what, label in labels.items() if a.ablate else ():
-        steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8))
+        steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8, **fwd))
     if a.ablate:
         fast = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=False))
-        steps["te FP8 delayed, fprop fast accumulation"] = training_step(layer, x, dy, fast)
+        steps["te FP8 delayed, fprop fast accumulation"] = training_step(layer, x, dy, fast, **fwd)
         steps["te FP8 delayed, FP8 weights kept (is_first_microbatch=True)"] = \
-            training_step(layer, x, dy, fp8, is_first_microbatch=True)
+            training_step(layer, x, dy, fp8, is_first_microbatch=True, **fwd)
     # every row in each of 5 rounds (no row gains from its place in the sequence)
     times = time_interleaved(steps, warmup=5, iters=10, rounds=5)
     rows, base = [], None
     for name, step in steps.items():
         got = measure(name, step, rows, times[name], base)
         base = base or got
-    graphed = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
-
+    graphed = te.make_graphed_callables(WithKwargs(layer, fwd), (x,), fp8_enabled=True, fp8_recipe=fp8)
     graph_clear = training_step(layer, x, dy).clear_grads
 
     def graph_step():
@@ -150,7 +228,7 @@ def main() -> None:
     graph_step.clear_grads = graph_clear
     graph_step.params = list(layer.parameters())
     measure("te FP8 delayed, CUDA graph (timed after the other rows)", graph_step, rows, None, base)
-    shape = f"h{a.hidden} ffn{a.ffn} heads{a.heads} s{a.seq} b{a.batch}"
+    shape = f"{a.model}: h{a.hidden} ffn{a.ffn} heads{a.heads}/{a.gqa} s{a.seq} b{a.batch}"
     report(f"TransformerLayer fwd+bwd ({shape}, bf16 params; ms per step back to back, ms_synced from an idle GPU)",
            rows, ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"], a.json)
 

@@ -163,3 +163,48 @@ def with_torch_gemm(rec):
 
     mm = recipe.MMParams(backend="torch")
     return dataclasses.replace(rec, fp8_gemm_fprop=mm, fp8_gemm_dgrad=mm, fp8_gemm_wgrad=mm)
+
+
+def transformer_engine():
+    """NVIDIA's Transformer Engine (`transformer_engine.pytorch`) when the real one is installed, else None.
+    te_parallel's own compat package also answers to that name; it marks itself and is not a peer."""
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch as te_peer
+    except Exception:  # not installed, or installed without its torch extension
+        return None
+    return None if getattr(transformer_engine, "IS_TE_PARALLEL_COMPAT", False) else te_peer
+
+
+def te_recipe(kind: str):
+    """TE's recipe of the same name as te_parallel's benchmark recipes ("delayed": HYBRID, history 16,
+    max; "current")."""
+    from transformer_engine.common import recipe as te_recipes
+
+    if kind == "delayed":
+        return te_recipes.DelayedScaling(fp8_format=te_recipes.Format.HYBRID, amax_history_len=16,
+                                          amax_compute_algo="max")
+    return te_recipes.Float8CurrentScaling()
+
+
+def te_training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, kind: str | None = None,
+                     **forward_kwargs) -> Callable[[], None]:
+    """training_step for a TE module: `kind` None (bf16), "delayed" or "current". TE recasts its weights
+    on every forward without is_first_microbatch, as te_parallel's step does after dropping its copies."""
+    te_peer = transformer_engine()
+    rec = te_recipe(kind) if kind else None
+    params = list(module.parameters())
+
+    def clear_grads():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def step():
+        clear_grads()
+        with te_peer.fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
+            y = module(x, **forward_kwargs)
+        y.backward(dy)
+
+    step.clear_grads, step.params = clear_grads, params
+    return step

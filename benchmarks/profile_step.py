@@ -1,7 +1,8 @@
 """Where the time of one fwd+bwd step goes: a per-kernel table from torch.profiler, and the GEMMs alone.
 
     python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|bf16]
-    python benchmarks/profile_step.py layer  [--recipe delayed|current|bf16|torch] [--batch 4]
+    python benchmarks/profile_step.py layer  [--model gpt|llama] [--recipe delayed|current|bf16|torch] [--batch 4]
+    add --peer to linear / layer to profile NVIDIA Transformer Engine's module (installed beside)
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
     add --host to linear / layer for a cProfile of the host side of 8 steps
     add --gaps to linear / layer for the idle gaps between kernels (and whether the host was late)
@@ -23,29 +24,49 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, time_cuda, training_step  # noqa: E402
+from common import report, te_training_step, time_cuda, training_step, transformer_engine  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "bf16": None, "torch": None}
 
 
 def _build(kind: str, args):
+    """The step to profile: te_parallel's module (or torch's, --recipe torch), or TE's with --peer."""
     dt = torch.bfloat16
+    peer = transformer_engine() if args.peer else None
+    if args.peer and peer is None:
+        sys.exit("--peer needs NVIDIA Transformer Engine (transformer_engine.pytorch) installed")
     rec = RECIPES[args.recipe]() if RECIPES[args.recipe] else None
+    lib, fwd = (peer or te), {}
     if kind == "linear":
         m, k, n = (int(v) for v in args.shape.split("x"))
         mod = (torch.nn.Linear(k, n, device="cuda", dtype=dt) if args.recipe == "torch"
-               else te.Linear(k, n, device="cuda", params_dtype=dt))
+               else lib.Linear(k, n, device="cuda", params_dtype=dt))
         x = torch.randn(m, k, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=dt)
     else:
-        from bench_transformer import TorchLayer
-        h, ffn, heads = 4096, 16384, 32
-        mod = (TorchLayer(h, ffn, heads).to("cuda", dt) if args.recipe == "torch"
-               else te.TransformerLayer(h, ffn, heads, params_dtype=dt, device="cuda"))
-        x = torch.randn(2048, args.batch, h, device="cuda", dtype=dt, requires_grad=True)
+        from bench_transformer import MODELS, TorchLayer, TorchLlamaLayer, layer_kwargs
+        size = argparse.Namespace(**MODELS[args.model])
+        size.batch = args.batch or size.batch
+        if args.recipe == "torch":
+            mod = (TorchLayer(size.hidden, size.ffn, size.heads) if args.model == "gpt"
+                   else TorchLlamaLayer(size.hidden, size.ffn, size.heads, size.gqa)).to("cuda", dt)
+        else:
+            mod = lib.TransformerLayer(size.hidden, size.ffn, size.heads, **layer_kwargs(args.model, size))
+        x = torch.randn(size.seq, size.batch, size.hidden, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn_like(x)
-    return training_step(mod, x, dy, rec)
+        if args.model == "llama":
+            rope_cls = te.RotaryPositionEmbedding if peer is None else _peer_rope()
+            fwd = {"rope" if args.recipe == "torch" else "rotary_pos_emb":
+                   rope_cls(size.hidden // size.heads).to("cuda")(size.seq)}
+    if peer is not None:
+        return te_training_step(mod, x, dy, None if args.recipe == "bf16" else args.recipe, **fwd)
+    return training_step(mod, x, dy, rec, **fwd)
+
+
+def _peer_rope():
+    from transformer_engine.pytorch.attention import RotaryPositionEmbedding
+    return RotaryPositionEmbedding
 
 
 def profile(kind: str, args) -> list:
@@ -78,7 +99,7 @@ def profile(kind: str, args) -> list:
             spans.append((ev.time_range.start, ev.time_range.end))
     busy = sum(v[0] for v in per_name.values())
     span_ms, covered_ms = _span_and_covered(spans)
-    print(f"\n{kind} {args.recipe}: step {ms:.3f} ms (events), host issue {host_ms:.3f} ms/step, "
+    print(f"\n{'TE ' if args.peer else ''}{kind} {args.recipe}: step {ms:.3f} ms (events), host issue {host_ms:.3f} ms/step, "
           f"GPU kernel time {busy:.3f} ms/step, {sum(v[1] for v in per_name.values()) / steps:.0f} kernels/step; "
           f"the {steps} profiled steps (issued back to back) span {span_ms / steps:.3f} ms/step on the GPU, "
           f"idle between kernels {(span_ms - covered_ms) / steps:.3f} ms/step")
@@ -173,7 +194,9 @@ def main() -> None:
     ap.add_argument("what", choices=["linear", "layer", "gemm"])
     ap.add_argument("--shape", default="8192x4096x16384")
     ap.add_argument("--recipe", default="delayed", choices=list(RECIPES))
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt", help="layer: bench_transformer's model")
+    ap.add_argument("--batch", type=int, default=None, help="layer: micro-batch (default: the model's)")
+    ap.add_argument("--peer", action="store_true", help="profile NVIDIA Transformer Engine's module instead")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead of the kernels")
     ap.add_argument("--gaps", action="store_true", help="also list the idle gaps between kernels and their cause")

@@ -6,6 +6,7 @@ import te_parallel as te
 from te_parallel import recipe as R
 from te_parallel.fp8 import autocast as ac
 from te_parallel.ops import cast as cast_mod
+from tests.reference import rel_err
 
 
 def _lin(device, **kw):
@@ -208,3 +209,28 @@ def test_e5m2_forward_is_rejected(device):
     with pytest.raises(ValueError, match="two E5M2"):
         with te.fp8_autocast(fp8_recipe=R.DelayedScaling(fp8_format=R.Format.E5M2)):
             m(torch.randn(16, 32, device=device))
+
+
+@pytest.mark.parametrize("tokens", [8, 24, 5])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_any_token_count_runs_in_fp8(kind, tokens, device):
+    """TE runs FP8 on any multiple of 8 tokens (Lightning and accelerate send 8); te_parallel on any count.
+    Per-tensor scales make a token's FP8 forward independent of the others, so the rows equal the same
+    rows run inside a 32-token batch (current scaling: the batch's amax is set by a shared outlier row; the
+    MLP's hidden amax is not, so its rows are compared with the high-precision forward)."""
+    torch.manual_seed(0)
+    m = getattr(te, kind)(64, 128, device=device) if kind == "LayerNormMLP" else getattr(te, kind)(64, 48, device=device)
+    big = torch.randn(32, 64, device=device)
+    big[-1, 0] = 40.0  # the amax of every batch below
+    x = torch.cat([big[: tokens - 1], big[-1:]]).requires_grad_()
+    rec = R.Float8CurrentScaling()
+    with te.fp8_autocast(fp8_recipe=rec):
+        y = m(x)
+        y_big = m(big)
+    if kind == "LayerNormMLP":
+        assert rel_err(y.detach(), m(x).detach()) < 0.1
+    else:
+        assert torch.equal(y[:-1], y_big[: tokens - 1]) and torch.equal(y[-1], y_big[-1])
+    y.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in m.parameters())
+    assert ac.current_frame() is None

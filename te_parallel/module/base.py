@@ -239,6 +239,11 @@ class GemmModule(FP8Module, TensorParallelMixin):
             in_tokens = inp.numel() // max(inp.shape[-1], 1)
         if frame is not None and below_fp8_size(frame, inp.is_cuda, in_tokens, weight.shape[1], weight.shape[0], par):
             frame = None  # a GEMM below the recipe's min_fp8_gemm runs in high precision
+        if frame is not None and (weight.shape[0] | weight.shape[1]) & 15:
+            raise ValueError(
+                f"{type(self).__name__}: FP8 GEMMs need in and out features that are multiples of 16 (TE's rule; "
+                f"any token count is fine), got a weight of {tuple(weight.shape)} on this rank; use such sizes or run "
+                "this layer outside fp8_autocast")
         fp8 = self._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
         targets = params.wgrad_targets(self) if self.fuse_wgrad_accumulation else None
         return weight, bias, (fp8, targets, par, torch.is_grad_enabled())

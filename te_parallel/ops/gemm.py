@@ -13,8 +13,11 @@ For y = x·Wᵀ with x [M, K] (tokens × in), W [N, K] (out × in), dy [M, N]:
 
 cuBLASLt takes FP8 only as "TN" (A row-major, B column-major), hence the transposed copies that
 the casts emit. cuBLASLt also needs every dimension to be a multiple of 16 and cannot multiply two
-E5M2 operands; these rules are checked here on every device, so CPU runs catch what a GPU would
-reject.
+E5M2 operands. A dimension that is not a multiple of 16 (the token count of a small batch: TE accepts
+any multiple of 8, Lightning's and accelerate's test models send 8) is zero-padded here, on every
+device: zero rows and columns add nothing to any product, and the casts (and so the amaxes) have
+already seen the real data. The padding copies the FP8 operands, which only small GEMMs (or features
+that are not multiples of 16, on every call) pay.
 """
 from __future__ import annotations
 
@@ -36,12 +39,6 @@ def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, what: str) 
     k2, n = b.shape
     if k != k2:
         raise ValueError(f"FP8 {what} GEMM: inner dims differ, A is {tuple(a.shape)} and B is {tuple(b.shape)}")
-    if (m | k | n) & 15:  # (one test per call; the message names the dimensions that fail)
-        bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % 16]
-        raise ValueError(
-            f"FP8 {what} GEMM needs every dimension to be a multiple of 16, got {', '.join(bad)} "
-            f"(A {tuple(a.shape)}, B {tuple(b.shape)}); pad the tokens/features or run this layer outside fp8_autocast"
-        )
     if a.dtype is torch.float8_e5m2 and b.dtype is torch.float8_e5m2:
         raise ValueError(
             f"FP8 {what} GEMM of two E5M2 operands is not supported by cuBLASLt; use Format.HYBRID or Format.E4M3"
@@ -82,6 +79,8 @@ def fp8_mm(
                                    or not accumulate.is_contiguous()):
         raise ValueError(f"FP8 {what} GEMM: accumulate is {tuple(accumulate.shape)} {accumulate.dtype}; need "
                          f"contiguous {shape} {out_dtype}")
+    if (shape[0] | a.shape[1] | shape[1]) & 15:
+        return _padded_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, what, out, mm, accumulate)
     if a.is_cpu:
         result = _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate)
         return result if out is None else out.copy_(result)
@@ -110,6 +109,28 @@ def fp8_mm(
     if accumulate is not None:  # (no native GEMM here: the sum is rounded twice)
         result = result.add_(accumulate)
     return result
+
+
+def _padded_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, what, out, mm, accumulate):
+    """fp8_mm with M, K and N rounded up to multiples of 16 by zero padding (A [M, K] row-major, B [K, N]
+    column-major); the [m, n] corner of the result is the product."""
+    (m, k), n = a.shape, b.shape[1]
+    rows, inner, cols = (-(-v // 16) * 16 for v in (m, k, n))
+    a_pad = _zero_padded(a, rows, inner)  # [rows, inner]
+    b_pad = _zero_padded(b.t(), cols, inner).t()  # [inner, cols], column-major
+    bias_pad = None if bias is None else torch.nn.functional.pad(bias, (0, cols - n))
+    acc_pad = None if accumulate is None else torch.nn.functional.pad(accumulate, (0, cols - n, 0, rows - m))
+    result = fp8_mm(a_pad, a_scale_inv, b_pad, b_scale_inv, out_dtype, bias_pad, what, None, mm, acc_pad)[:m, :n]
+    return result.contiguous() if out is None else out.copy_(result)
+
+
+def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t [r, c] (FP8) in the top-left corner of a zero [rows, cols] tensor of its dtype."""
+    if tuple(t.shape) == (rows, cols):
+        return t.contiguous()
+    padded = torch.zeros((rows, cols), dtype=torch.uint8, device=t.device)
+    padded[: t.shape[0], : t.shape[1]] = t.view(torch.uint8)
+    return padded.view(t.dtype)
 
 
 def _column_major(b: torch.Tensor) -> bool:
