@@ -1,7 +1,7 @@
 """FP8 te.Linear fwd+bwd vs torch bf16 nn.Linear, same run, same GPU.
 
     python benchmarks/bench_linear.py [--shapes 8192x4096x16384 ...] [--json out.json]
-    python benchmarks/bench_linear.py --sweep      (FP8 vs bf16 over GEMM sizes: the small-GEMM threshold)
+    python benchmarks/bench_linear.py --sweep      (FP8 vs bf16 GPU time over GEMM sizes: min_fp8_gemm="auto")
 
 Rows per shape (tokens × in → out), bf16 activations and weights:
   torch bf16         torch.nn.Linear
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda, time_cuda_stream,  # noqa: E402
+from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda,  # noqa: E402
                     time_interleaved, training_step, transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
@@ -65,36 +65,76 @@ def bench_shape(m: int, k: int, n: int):
     return rows
 
 
-SWEEP = ["1024x1024x1024", "2048x768x3072", "2048x2048x2048", "4096x2048x2048", "8192x2048x2048",
-         "4096x4096x4096", "8192x4096x4096", "8192x4096x8192", "8192x4096x16384"]
+SWEEP_M = (256, 512, 1024, 2048, 4096, 8192)
+SWEEP_KN = (1024, 2048, 4096, 8192)
 
 
-def sweep(shapes, json_path) -> None:
-    """te FP8 (every GEMM in FP8, the recipes' default) against te bf16 (what a min_fp8_gemm fallback runs)."""
+def graphed_gpu_ms(step, replays: int = 20) -> float:
+    """GPU time of one step with the host out of the way: the step captured in a CUDA graph, replays timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return time_cuda(graph.replay, warmup=3, iters=replays)
+
+
+def sweep(json_path) -> None:
+    """GPU time (CUDA-graphed, so host time does not count) of a te.Linear fwd+bwd in bf16 and in FP8
+    (each recipe) over a grid of M x K x N: where FP8 stops paying for its casts. What decides is the
+    intensity M·K·N / (M·K + K·N + M·N) (GEMM work per element cast), not M·K·N; the intensity that
+    loses least time at the measured sizes is the recipe's break-even on this GPU
+    (te_parallel/fp8/gemm_size.py keeps one per architecture for min_fp8_gemm="auto")."""
     rows = []
-    for s in shapes:
-        m, k, n = (int(v) for v in s.split("x"))
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        lin = te.Linear(k, n, device="cuda", params_dtype=torch.bfloat16)
-        bf = time_cuda_stream(training_step(lin, x, dy))
-        f8 = time_cuda_stream(training_step(lin, x, dy, recipe.DelayedScaling()))
-        rows.append({"shape": s, "MKN": m * k * n, "te_bf16_ms": bf, "te_fp8_forced_ms": f8, "fp8_speedup": bf / f8})
+    for m in SWEEP_M:
+        for k in SWEEP_KN:
+            for n in SWEEP_KN:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                lin = te.Linear(k, n, device="cuda", params_dtype=torch.bfloat16)
+                row = {"shape": f"{m}x{k}x{n}", "MKN": m * k * n,
+                       "bf16_ms": graphed_gpu_ms(training_step(lin, x, dy))}
+                for kind, rec in (("delayed", recipe.DelayedScaling()), ("current", recipe.Float8CurrentScaling())):
+                    row[f"{kind}_ms"] = graphed_gpu_ms(training_step(lin, x, dy, rec))
+                    row[f"{kind}_speedup"] = row["bf16_ms"] / row[f"{kind}_ms"]
+                rows.append(row)
     rows.sort(key=lambda r: r["MKN"])
-    # the smallest size from which FP8 wins at every larger measured shape
-    wins = [r["fp8_speedup"] >= 1.0 for r in rows]
-    first = next((i for i in range(len(rows)) if all(wins[i:])), None)
-    report("FP8 vs bf16 by GEMM size (te.Linear fwd+bwd, ms per step back to back)", rows,
-           ["shape", "MKN", "te_bf16_ms", "te_fp8_forced_ms", "fp8_speedup"], json_path)
-    if first is not None:
-        print(f"FP8 wins from M*K*N = {rows[first]['MKN']:.3g} ({rows[first]['shape']}); "
-              f"largest losing size {rows[first - 1]['MKN']:.3g}" if first else "FP8 wins at every measured size")
+    report("FP8 vs bf16 by GEMM size: te.Linear fwd+bwd GPU time (CUDA graph replay, ms)", rows,
+           ["shape", "MKN", "bf16_ms", "delayed_ms", "delayed_speedup", "current_ms", "current_speedup"], json_path)
+    for kind in ("delayed", "current"):
+        t, fp8_slower, bf16_slower = break_even(rows, kind)
+        print(f"{kind}: FP8 from intensity M*K*N/(M*K+K*N+M*N) >= {t:.0f}; at the measured sizes that picks FP8 where "
+              f"it is slower {len(fp8_slower)}x (worst {min(fp8_slower, default=1):.3f}x) and bf16 where FP8 is "
+              f"faster {len(bf16_slower)}x (worst {max(bf16_slower, default=1):.3f}x)")
+
+
+def intensity(m: int, k: int, n: int) -> float:
+    """FLOPs per element an FP8 GEMM step casts (x, W, dy): M·K·N / (M·K + K·N + M·N)."""
+    return m * k * n / (m * k + k * n + m * n)
+
+
+def break_even(rows, kind: str):
+    """(threshold, speedups where FP8 is picked but slower, where bf16 is picked but FP8 faster): the
+    intensity threshold that loses least time over the measured sizes."""
+    points = [(intensity(*(int(v) for v in r["shape"].split("x"))), r[f"{kind}_speedup"]) for r in rows]
+    best = None
+    for t in sorted({p for p, _ in points}):
+        slow_fp8 = [s for p, s in points if p >= t and s < 1]
+        slow_bf16 = [s for p, s in points if p < t and s >= 1]
+        cost = sum(1 / s - 1 for s in slow_fp8) + sum(s - 1 for s in slow_bf16)
+        if best is None or cost < best[0]:
+            best = (cost, t, slow_fp8, slow_bf16)
+    return best[1:]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=["8192x4096x16384"])
-    ap.add_argument("--sweep", action="store_true", help="FP8 vs bf16 over GEMM sizes (the small-GEMM threshold)")
+    ap.add_argument("--sweep", action="store_true", help="FP8 vs bf16 GPU time over GEMM sizes (min_fp8_gemm='auto')")
     ap.add_argument("--settle", type=int, default=None,
                     help="untimed steps before each timed sample (default: as many as are timed)")
     ap.add_argument("--json", default=None)
@@ -104,7 +144,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_linear needs a CUDA GPU")
     if args.sweep:
-        sweep(args.shapes if args.shapes != ["8192x4096x16384"] else SWEEP, args.json)
+        sweep(args.json)
         return
     rows = []
     for s in args.shapes:

@@ -98,17 +98,18 @@ class Recipe:
 
     fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: how the forward, data-gradient and
     weight-gradient GEMMs run (MMParams).
-    min_fp8_gemm: 0 (the default, as in TE): under fp8_autocast every GEMM runs in FP8. A positive
-    value M·K·N lets smaller GEMMs on CUDA run in the activation dtype (bf16/fp16) instead, where the
-    casts and launches cost more than FP8 saves; an opt-in, since the break-even depends on the GPU
-    and on how far the host runs ahead of it (benchmarks/bench_linear.py --sweep measures it).
+    min_fp8_gemm: 0 (the default, as in TE): under fp8_autocast every GEMM runs in FP8. An opt-in
+    M·K·N lets smaller GEMMs on CUDA run in the activation dtype (bf16/fp16) instead, where the casts
+    cost more GPU time than FP8 saves; "auto" takes the break-even measured for this GPU architecture
+    and recipe (te_parallel.fp8.gemm_size; 0 where none was measured). The choice and each GEMM it
+    sends to bf16 are logged (logger "te_parallel", INFO).
     """
 
     fp8_format: Format = Format.HYBRID
     fp8_gemm_fprop: MMParams = MMParams()
     fp8_gemm_dgrad: MMParams = MMParams()
     fp8_gemm_wgrad: MMParams = MMParams()
-    min_fp8_gemm: int = 0
+    min_fp8_gemm: Union[int, str] = 0
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -117,9 +118,10 @@ class Recipe:
         return isinstance(self, Float8CurrentScaling)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.min_fp8_gemm, int) and not isinstance(self.min_fp8_gemm, bool)
-                and self.min_fp8_gemm >= 0):
-            raise ValueError(f"min_fp8_gemm must be an int >= 0 (M·K·N; 0: every GEMM in FP8), got {self.min_fp8_gemm!r}")
+        if not (self.min_fp8_gemm == "auto" or (isinstance(self.min_fp8_gemm, int)
+                                                and not isinstance(self.min_fp8_gemm, bool) and self.min_fp8_gemm >= 0)):
+            raise ValueError(f"min_fp8_gemm must be an int >= 0 (M·K·N; 0: every GEMM in FP8) or 'auto', got "
+                             f"{self.min_fp8_gemm!r}")
         if not isinstance(self.fp8_format, Format):
             raise TypeError(
                 f"fp8_format must be a te_parallel.recipe.Format (E4M3, E5M2, HYBRID), got {self.fp8_format!r}"

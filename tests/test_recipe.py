@@ -176,3 +176,13 @@ def test_small_gemm_switch_never_applies_on_the_cpu():
             q = lin(x)
     assert not torch.equal(q, hp)  # quantized: the FP8 path ran
     assert lin.fp8_state.fwd_amax_history[1].max() > 0  # and recorded its amaxes
+
+
+def test_min_fp8_gemm_auto_is_accepted_and_intensity_is_work_per_cast_element():
+    from te_parallel.fp8 import gemm_size
+
+    assert R.DelayedScaling(min_fp8_gemm="auto").min_fp8_gemm == "auto"
+    assert gemm_size.intensity(2048, 2048, 2048) == pytest.approx(2048 / 3)
+    # a GEMM with more work but a thin side casts more per unit of work
+    assert gemm_size.intensity(512, 8192, 8192) < gemm_size.intensity(2048, 2048, 2048)
+    assert all(v > 0 for table in gemm_size.BREAK_EVEN.values() for v in table.values())

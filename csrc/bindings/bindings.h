@@ -25,5 +25,6 @@ void bind_norm(pybind11::module_& m);        // norm.cpp: LayerNorm / RMSNorm ke
 void bind_activation(pybind11::module_& m);  // activation.cpp: bias + activation kernels
 void bind_comm_overlap(pybind11::module_& m);  // comm_overlap.cpp: csrc/comm_gemm_overlap
 void bind_gemm(pybind11::module_& m);          // gemm.cpp: the cuBLASLt FP8 GEMM (csrc/gemm)
+void bind_rope(pybind11::module_& m);          // rope.cpp: rotary position embedding
 
 }  // namespace tep_bindings

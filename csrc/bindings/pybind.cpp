@@ -79,4 +79,5 @@ PYBIND11_MODULE(_C, m) {
   tep_bindings::bind_activation(m);
   tep_bindings::bind_comm_overlap(m);
   tep_bindings::bind_gemm(m);
+  tep_bindings::bind_rope(m);
 }

@@ -39,6 +39,20 @@ void delayed_scaling_update(const std::vector<StateTuple>& states, float fp8_max
   check(status);  // same thread as the call: tep_last_error is thread-local
 }
 
+void current_scale(std::uintptr_t x, int x_dtype, long long n, std::uintptr_t amax_in, float fp8_max,
+                   std::uintptr_t partials, std::uintptr_t amax_out, std::uintptr_t scale_out,
+                   std::uintptr_t scale_inv_out, std::uintptr_t stream) {
+  tep_status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = tep_current_scale(reinterpret_cast<const void*>(x), x_dtype, n, reinterpret_cast<const float*>(amax_in),
+                               fp8_max, reinterpret_cast<float*>(partials), reinterpret_cast<float*>(amax_out),
+                               reinterpret_cast<float*>(scale_out), reinterpret_cast<float*>(scale_inv_out),
+                               reinterpret_cast<void*>(stream));
+  }
+  check(status);
+}
+
 }  // namespace
 
 void bind_scaling(py::module_& m) {
@@ -51,6 +65,13 @@ void bind_scaling(py::module_& m) {
         "Fused delayed-scaling update of all states in one launch. states: list of "
         "(amax_history_ptr, scale_ptr, scale_inv_ptr, history_len, num_tensors); algo: an AMAX_ALGOS "
         "code (0 = max over history, 1 = most recent); stream: cudaStream_t as int. Raises RuntimeError.");
+  m.def("current_scale_partials", &tep_current_scale_partials, py::arg("n"),
+        "Floats of scratch that current_scale needs for an n-element x.");
+  m.def("current_scale", &current_scale, py::arg("x"), py::arg("x_dtype"), py::arg("n"), py::arg("amax_in"),
+        py::arg("fp8_max"), py::arg("partials"), py::arg("amax_out"), py::arg("scale_out"),
+        py::arg("scale_inv_out"), py::arg("stream"),
+        "amax of x (or amax_in) and the current-scaling scale / scale_inv it gives (pointers as ints, 0 = "
+        "none). Raises RuntimeError.");
 }
 
 }  // namespace tep_bindings

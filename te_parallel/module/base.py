@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8 import gemm_size
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.params import Float8Weight
 from te_parallel.fp8.tensor import Float8Tensor
@@ -330,12 +331,15 @@ def torch_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def below_fp8_size(frame, is_cuda: bool, tokens: int, k: int, n: int, par: LinearParallel) -> bool:
     """True when this GEMM (M·K·N on this rank, M gathered under SP) is below the recipe's FP8 size on
-    CUDA. Never with comm-GEMM overlap (its buffers were sized for the FP8 bytes) or on the CPU."""
+    CUDA (te_parallel.fp8.gemm_size). Never with comm-GEMM overlap (its buffers were sized for the FP8
+    bytes) or on the CPU."""
     if not (frame.enabled and is_cuda) or par.ub is not None:
+        return False
+    if frame.recipe.min_fp8_gemm == 0:
         return False
     if par.gathers_input:
         tokens *= group_size(par.group)
-    return tokens * k * n < frame.recipe.min_fp8_gemm
+    return gemm_size.below_threshold(frame.recipe, tokens, k, n)
 
 
 def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zero_centered_gamma: bool,

@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from te_parallel.ops.rope import apply_rope
+
 
 class RotaryPositionEmbedding(nn.Module):
     """freqs[s] = s · base^(−2i/dim), i < dim/2; forward(max_seq_len) -> [s, 1, 1, rot_dim] (TE's layout).
@@ -47,22 +49,11 @@ class RotaryPositionEmbedding(nn.Module):
         return torch.cat([freqs, freqs], dim=-1).view(max_seq_len, 1, 1, self.rot_dim)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd") -> torch.Tensor:
-    """Rotate the first rot_dim channels of t [s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd") by freqs [s', 1, 1, rot_dim]."""
+    """Rotate the first rot_dim channels of t [s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd") by freqs
+    [s', 1, 1, rot_dim] (one fused kernel on CUDA: te_parallel.ops.rope)."""
     seq_dim = 0 if tensor_format == "sbhd" else 1
     s = t.shape[seq_dim]
     if freqs.shape[0] < s:
         raise ValueError(f"rotary_pos_emb covers {freqs.shape[0]} positions, the input has {s}")
-    f = freqs[:s]
-    if tensor_format == "bshd":
-        f = f.transpose(0, 1)
-    rot = f.shape[-1]
-    t_rot, t_pass = t[..., :rot], t[..., rot:]
-    cos, sin = f.cos().to(t.dtype), f.sin().to(t.dtype)
-    out = t_rot * cos + _rotate_half(t_rot) * sin
-    return torch.cat([out, t_pass], dim=-1) if t_pass.shape[-1] else out
+    return apply_rope(t, freqs[:s], bshd=tensor_format == "bshd")

@@ -1,7 +1,8 @@
-"""The fused delayed-scaling update (csrc/kernels/scale_update.cu; C API te_parallel/te_parallel.h).
-
-Matches te_parallel.fp8.scaling.update_delayed_scaling_torch bit for bit, for every state of a pass
-in one kernel launch.
+"""Scaling kernels (C API te_parallel/te_parallel.h): the fused delayed-scaling update
+(csrc/kernels/scale_update.cu), which matches te_parallel.fp8.scaling.update_delayed_scaling_torch bit for
+bit for every state of a pass in one launch, and current scaling's amax -> scale
+(csrc/kernels/current_scale.cu), which matches te_parallel.ops.cast.amax_of and
+te_parallel.fp8.scaling.current_scale bit for bit in two launches instead of about a dozen torch ops.
 """
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import NoReturn, Sequence, Tuple
 
 import torch
 
-from te_parallel.native import AMAX_ALGOS, describe, launch_on, require
+from te_parallel.native import AMAX_ALGOS, DTYPES, HIGH_PRECISION_DTYPES, describe, launch_on, require
 
-__all__ = ["usable", "fused_delayed_scaling_update"]
+__all__ = ["usable", "fused_delayed_scaling_update", "current_usable", "current_scale_of", "scale_from_amax"]
 
 
 def usable(states: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
@@ -101,3 +102,42 @@ def fused_delayed_scaling_update(
     with guard:
         module.delayed_scaling_update(c_states, float(fp8_max), float(scale_divisor), code, bool(update_scale),
                                       stream)
+
+
+def current_usable(t: torch.Tensor) -> bool:
+    """True if the current-scaling kernels take t: a non-empty contiguous CUDA tensor of a high-precision
+    dtype (an x) or fp32 (an amax), with the extension loaded (DTYPES is empty without it)."""
+    return t.is_cuda and t.numel() > 0 and t.is_contiguous() and t.dtype in HIGH_PRECISION_DTYPES and bool(DTYPES)
+
+
+def current_scale_of(x: torch.Tensor, fp8_max: float, amax_only: bool = False) -> torch.Tensor:
+    """[scale, scale_inv, amax] (fp32, on x's device) of current scaling for x: amax = max |x| (NaN
+    propagates), scale = fp8_max / amax where that is finite and positive, else 1. amax_only: only the
+    amax is written (slots 0 and 1 are garbage), e.g. to all-reduce it before scale_from_amax."""
+    module = require("current_scale_of", "scaling")
+    if not current_usable(x):
+        raise ValueError(f"current_scale_of: x is {describe(x)}; need a non-empty contiguous fp32/fp16/bf16 CUDA "
+                         "tensor")
+    n = x.numel()
+    out = torch.empty(3 + module.current_scale_partials(n), dtype=torch.float32, device=x.device)
+    base = out.data_ptr()
+    guard, stream = launch_on(x.device)
+    with guard:
+        module.current_scale(x.data_ptr(), DTYPES[x.dtype], n, 0, float(fp8_max), base + 12, base + 8,
+                             0 if amax_only else base, 0 if amax_only else base + 4, stream)
+    return out[:3]
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """[scale, scale_inv] (fp32) of current scaling for a given amax (a 1-element fp32 CUDA tensor, e.g.
+    one all-reduced across ranks): te_parallel.fp8.scaling.current_scale in one launch."""
+    module = require("scale_from_amax", "scaling")
+    if not (amax.is_cuda and amax.numel() == 1 and amax.dtype is torch.float32 and amax.is_contiguous()):
+        raise ValueError(f"scale_from_amax: amax is {describe(amax)}; need a 1-element contiguous float32 CUDA "
+                         "tensor")
+    out = torch.empty(2, dtype=torch.float32, device=amax.device)
+    base = out.data_ptr()
+    guard, stream = launch_on(amax.device)
+    with guard:
+        module.current_scale(0, 0, 0, amax.data_ptr(), float(fp8_max), 0, 0, base, base + 4, stream)
+    return out

@@ -16,6 +16,7 @@ from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import FP8_DTYPES
 from te_parallel.native import cast as native_cast
+from te_parallel.native import scaling as native_scaling
 from te_parallel.recipe import fp8_max
 
 
@@ -28,6 +29,13 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
     """max |x| as an fp32 scalar tensor (NaN if x holds a NaN), from one read of x: min and max in one
     reduction, no |x| temporary (x.abs().amax() writes and reads a copy of x: at [tokens, ffn] a 256 MiB
     tensor and two extra passes per current-scaling cast)."""
+    if native_scaling.current_usable(x):  # one read by the scaling kernel, no torch ops around it
+        return native_scaling.current_scale_of(x.detach(), 1.0, amax_only=True)[2]
+    return amax_torch(x)
+
+
+def amax_torch(x: torch.Tensor) -> torch.Tensor:
+    """amax_of in torch ops (the reference of the native kernel, and the CPU path)."""
     lo, hi = torch.aminmax(x.detach())
     return torch.maximum(hi, lo.neg()).to(torch.float32)
 
@@ -89,9 +97,11 @@ def quantize_current(
 ) -> Float8Tensor:
     """Current scaling: scale = fp8_max / amax(x) (or a given amax, e.g. one all-reduced across ranks)."""
     _check_fp8_dtype(fp8_dtype)
-    if amax is None:
-        amax = amax_of(x)
-    return quantize(x, current_scale(amax, fp8_max(fp8_dtype)), fp8_dtype, transpose=transpose, dbias_out=dbias_out,
+    if amax is None and native_scaling.current_usable(x):  # amax and scale in two launches
+        scale = native_scaling.current_scale_of(x.detach(), fp8_max(fp8_dtype))[0]
+    else:
+        scale = current_scale(amax_of(x) if amax is None else amax, fp8_max(fp8_dtype))
+    return quantize(x, scale, fp8_dtype, transpose=transpose, dbias_out=dbias_out,
                     keep_scale=keep_scale)
 
 

@@ -44,3 +44,32 @@ def test_default_recipe_runs_every_gemm_in_fp8():
 def test_bad_threshold():
     with pytest.raises(ValueError, match="min_fp8_gemm must be an int >= 0"):
         recipe.DelayedScaling(min_fp8_gemm=-1)
+
+
+def test_auto_uses_the_measured_break_even_and_reports_it(caplog, monkeypatch):
+    """min_fp8_gemm="auto": bf16 below this architecture's measured break-even intensity
+    (te_parallel.fp8.gemm_size.BREAK_EVEN), FP8 where none was measured; the choice and each GEMM sent to
+    bf16 are logged."""
+    import logging
+
+    from te_parallel.fp8 import gemm_size
+
+    cap = torch.cuda.get_device_capability()
+    lin = te.Linear(256, 128, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    plain = lin(x)  # outside fp8_autocast
+    level = gemm_size.intensity(64, 256, 128)  # 36.6 multiply-adds per element cast
+    monkeypatch.setattr(gemm_size, "_RESOLVED", {})
+    monkeypatch.setitem(gemm_size.BREAK_EVEN, cap, {"delayed": level + 0.5, "current": level - 0.5})
+    with caplog.at_level(logging.INFO, logger="te_parallel"):
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm="auto")):
+            below = lin(x)
+        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling(min_fp8_gemm="auto")):
+            at = lin(x)
+    assert torch.equal(below, plain)  # below the break-even: the bf16 module, bit for bit
+    assert not torch.equal(at, plain)  # at it: FP8
+    assert "min_fp8_gemm='auto'" in caplog.text and "64x256x128" in caplog.text and "runs in bf16" in caplog.text
+    monkeypatch.setattr(gemm_size, "_RESOLVED", {})
+    monkeypatch.setitem(gemm_size.BREAK_EVEN, cap, {})  # an architecture nobody measured: every GEMM in FP8
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm="auto")):
+        assert not torch.equal(lin(x), plain)

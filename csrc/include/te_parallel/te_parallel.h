@@ -75,6 +75,23 @@ TEP_API tep_status tep_delayed_scaling_update(const tep_scaling_state* states, i
                                               float fp8_max, float scale_divisor, int amax_algo,
                                               int update_scale, void* stream);
 
+/*
+ * Current scaling of one tensor, on `stream`, without a host round trip:
+ *   amax = max |x[i]| over the n elements of x (NaN propagates)     if x != NULL (x_dtype: TEP_FLOAT32 /
+ *                                                                   FLOAT16 / BFLOAT16; any alignment)
+ *   amax = amax_in[0]                                               if amax_in != NULL (exactly one of the two)
+ *   amax_out[0] = amax                                              if amax_out != NULL
+ *   scale_out[0] = fp8_max / amax (one IEEE fp32 division) if amax is finite and > 0 and the quotient is
+ *                  finite, else 1                                   if scale_out != NULL
+ *   scale_inv_out[0] = 1 / scale_out[0]                             if scale_inv_out != NULL too
+ * partials: device fp32 scratch of tep_current_scale_partials(n) floats when x is given (no
+ * initialisation needed). At least one of amax_out and scale_out must be given.
+ */
+TEP_API int tep_current_scale_partials(long long n);
+TEP_API tep_status tep_current_scale(const void* x, int x_dtype, long long n, const float* amax_in,
+                                     float fp8_max, float* partials, float* amax_out, float* scale_out,
+                                     float* scale_inv_out, void* stream);
+
 /* Element types of tensors passed to the kernels. */
 typedef enum {
   TEP_FLOAT32 = 0,

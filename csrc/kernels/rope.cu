@@ -1,0 +1,92 @@
+// Rotary position embedding in one pass (csrc/include/te_parallel/rope.h). One block per (s, b): the
+// block's sin/cos of the rot angles of position s go to shared memory once (sincosf, full precision),
+// then its threads walk the H x half channel pairs, each thread reading x[j] and x[j + half] and
+// writing both outputs, in fp32, rounded once. Pass-through channels (rot <= j < D) are copied.
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.h"
+#include "convert.cuh"
+#include "te_parallel/rope.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rope_kernel(const tep_rope_params p) {
+  extern __shared__ float trig[];  // [rot] cos, then [rot] sin
+  const long long s = blockIdx.x / p.b, b = blockIdx.x % p.b;
+  const int rot = p.rot, half = rot / 2;
+  for (int j = threadIdx.x; j < rot; j += kThreads) {
+    float sn, cs;
+    sincosf(p.freqs[s * p.freqs_stride_s + j], &sn, &cs);
+    trig[j] = cs;
+    trig[rot + j] = sn;
+  }
+  __syncthreads();
+  const T* x = static_cast<const T*>(p.x) + s * p.x_stride_s + b * p.x_stride_b;
+  T* out = static_cast<T*>(p.out) + s * p.out_stride_s + b * p.out_stride_b;
+  const float* cs = trig;
+  const float* sn = trig + rot;
+  const long long pairs = p.h * half;
+  for (long long i = threadIdx.x; i < pairs; i += kThreads) {
+    const long long head = i / half;
+    const int j = static_cast<int>(i % half);
+    const T* xh = x + head * p.x_stride_h;
+    T* oh = out + head * p.out_stride_h;
+    const float x1 = tep::to_float(xh[j]), x2 = tep::to_float(xh[j + half]);
+    float o1, o2;
+    if (p.backward) {
+      o1 = x1 * cs[j] + x2 * sn[j + half];
+      o2 = x2 * cs[j + half] - x1 * sn[j];
+    } else {
+      o1 = x1 * cs[j] - x2 * sn[j];
+      o2 = x2 * cs[j + half] + x1 * sn[j + half];
+    }
+    oh[j] = tep::from_float<T>(o1);
+    oh[j + half] = tep::from_float<T>(o2);
+  }
+  const long long rest = p.d - rot;  // pass-through channels
+  for (long long i = threadIdx.x; rest > 0 && i < p.h * rest; i += kThreads) {
+    const long long head = i / rest, j = rot + i % rest;
+    out[head * p.out_stride_h + j] = x[head * p.x_stride_h + j];
+  }
+}
+
+template <typename T>
+tep_status launch(const tep_rope_params& p, cudaStream_t stream) {
+  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(p.rot);
+  rope_kernel<T><<<static_cast<unsigned>(p.s * p.b), kThreads, smem, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return TEP_SUCCESS;
+  tep::set_error("tep_rope: launch failed: %s: %s", cudaGetErrorName(err), cudaGetErrorString(err));
+  return TEP_ERROR_CUDA;
+}
+
+}  // namespace
+
+extern "C" tep_status tep_rope(const tep_rope_params* p, void* stream) {
+  if (p == nullptr || p->x == nullptr || p->out == nullptr || p->freqs == nullptr) {
+    tep::set_error("tep_rope: params, x, out and freqs must not be NULL");
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  if (p->s < 1 || p->b < 1 || p->h < 1 || p->d < 1 || p->rot < 2 || p->rot % 2 || p->rot > p->d ||
+      p->rot > 8192 || p->s * p->b > 0x7fffffffLL) {
+    tep::set_error("tep_rope: shape [%lld, %lld, %lld, %lld] with rot = %d; need sizes >= 1, an even rot in "
+                   "[2, min(D, 8192)] and S*B < 2^31", p->s, p->b, p->h, p->d, p->rot);
+    return TEP_ERROR_INVALID_ARGUMENT;
+  }
+  cudaGetLastError();  // drop a stale error of an earlier call so the check is about ours
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (p->dtype) {
+    case TEP_FLOAT32: return launch<float>(*p, s);
+    case TEP_FLOAT16: return launch<__half>(*p, s);
+    case TEP_BFLOAT16: return launch<__nv_bfloat16>(*p, s);
+    default:
+      tep::set_error("tep_rope: dtype = %d; need TEP_FLOAT32, TEP_FLOAT16 or TEP_BFLOAT16", p->dtype);
+      return TEP_ERROR_INVALID_ARGUMENT;
+  }
+}

@@ -1,0 +1,58 @@
+"""Rotary position embedding on q / k: one fused kernel on CUDA (te_parallel.native.rope), torch ops
+elsewhere.
+
+out = t·cos(f) + rotate_half(t)·sin(f) on the first rot channels of each head (rotate_half(t) = [-t2, t1],
+t1 / t2 the halves of those channels), the other channels unchanged. The kernel computes in fp32 and
+rounds once (as TE's fused RoPE); the torch path rounds each product and the sum to t's dtype. The
+kernel's backward is the transpose of the same map, with no gradient for the angles.
+"""
+from __future__ import annotations
+
+import torch
+
+from te_parallel.native import rope as native_rope
+
+
+def rope_torch(t: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """t [..., D] rotated by the angles f [..., rot] (broadcast against t's leading dims), in torch ops."""
+    rot = f.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos, sin = f.cos().to(t.dtype), f.sin().to(t.dtype)
+    t1, t2 = t_rot.chunk(2, dim=-1)
+    out = t_rot * cos + torch.cat([-t2, t1], dim=-1) * sin
+    return torch.cat([out, t_pass], dim=-1) if t_pass.shape[-1] else out
+
+
+class _RopeFunction(torch.autograd.Function):
+    """t viewed as [S, B, H, D] (sbhd: t itself; bshd: t.transpose(0, 1)) rotated by angles [S, rot];
+    the result has t's layout."""
+
+    @staticmethod
+    def forward(ctx, t, angles, bshd: bool):
+        ctx.angles, ctx.bshd = angles, bshd
+        return _run(t, angles, bshd, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _run(grad, ctx.angles, ctx.bshd, backward=True), None, None
+
+
+def _run(t: torch.Tensor, angles: torch.Tensor, bshd: bool, backward: bool) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # [s, b, h, d] or [b, s, h, d]
+    if bshd:
+        native_rope.rope(t.transpose(0, 1), angles, backward, out=out.transpose(0, 1))
+    else:
+        native_rope.rope(t, angles, backward, out=out)
+    return out
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, bshd: bool) -> torch.Tensor:
+    """t [s, b, h, d] (or [b, s, h, d] when bshd) rotated by freqs [s, 1, 1, rot] (positions beyond s
+    already cut off): the fused kernel where it takes the input (and the angles need no gradient),
+    else rope_torch."""
+    s = t.shape[1] if bshd else t.shape[0]
+    angles = freqs.reshape(s, freqs.shape[-1]) if freqs.dim() == 4 and freqs.shape[1:3] == (1, 1) else None
+    seq_first = t.transpose(0, 1) if bshd else t
+    if angles is not None and not freqs.requires_grad and native_rope.usable(seq_first, angles):
+        return _RopeFunction.apply(t, angles, bshd)
+    return rope_torch(t, freqs.transpose(0, 1) if bshd else freqs)

@@ -1,0 +1,75 @@
+"""The fused RoPE kernel (te_parallel.ops.rope on CUDA) against an fp64 reference: outputs and gradients,
+sbhd and bshd, strided views (q out of a fused QKV projection), partial rotation, every float dtype."""
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import native
+from te_parallel.ops.rope import apply_rope, rope_torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+if not native.available():
+    pytest.skip("te_parallel._C is absent (built without nvcc)", allow_module_level=True)
+
+# the kernel rounds once: within one unit in the last place of the dtype (relative to the output's scale)
+ULP = {torch.float32: 2e-7, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _max_rel(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
+def test_rope_kernel_vs_fp64(dtype, fmt, rot_frac):
+    torch.manual_seed(0)
+    s, b, h, d = 257, 3, 5, 128
+    rot = int(d * rot_frac)
+    freqs = te.RotaryPositionEmbedding(d, rotary_percent=rot_frac).cuda()(s + 7)  # more positions than used
+    qkv = torch.randn(s, b, h, 3 * d, device="cuda", dtype=dtype)
+    q = qkv[..., d: 2 * d]  # a strided view, as the fused QKV projection gives
+    if fmt == "bshd":
+        q = q.transpose(0, 1)
+    q = q.detach().requires_grad_()
+    out = te.apply_rotary_pos_emb(q, freqs, fmt)
+    assert out.shape == q.shape and out.dtype == dtype
+    f = freqs[:s].double()
+    qd = q.detach().double().requires_grad_()
+    ref = rope_torch(qd, f.transpose(0, 1) if fmt == "bshd" else f)
+    assert _max_rel(out, ref) < ULP[dtype]
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad.double())
+    assert _max_rel(q.grad, qd.grad) < 2 * ULP[dtype]
+    # at least as close to fp64 as the torch path (which rounds each product)
+    plain = rope_torch(q.detach(), (f.transpose(0, 1) if fmt == "bshd" else f).float())
+    assert _max_rel(out, ref) <= _max_rel(plain, ref) + 1e-12
+    if rot < d:  # the channels past rot are copied exactly
+        assert torch.equal(out[..., rot:], q.detach()[..., rot:])
+
+
+def test_layer_with_rope_uses_the_kernel(monkeypatch):
+    """A Llama-style TransformerLayer's q and k go through the kernel (one call each way per tensor)."""
+    from te_parallel.native import rope as native_rope
+
+    calls = []
+    real = native_rope.rope
+    monkeypatch.setattr(native_rope, "rope", lambda *a, **k: calls.append(a[2] if len(a) > 2 else k.get("backward"))
+                        or real(*a, **k))
+    layer = te.TransformerLayer(256, 512, 4, num_gqa_groups=2, normalization="RMSNorm", activation="swiglu",
+                                bias=False, hidden_dropout=0.0, attention_dropout=0.0, device="cuda",
+                                params_dtype=torch.bfloat16)
+    x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rope = te.RotaryPositionEmbedding(64).cuda()(64)
+    layer(x, rotary_pos_emb=rope).sum().backward()
+    assert calls.count(False) == 2 and calls.count(True) == 2
+
+
+def test_apply_rope_falls_back_when_freqs_need_grad():
+    t = torch.randn(8, 2, 2, 16, device="cuda")
+    f = torch.randn(8, 1, 1, 16, device="cuda", requires_grad=True)
+    out = apply_rope(t, f, bshd=False)
+    out.sum().backward()
+    assert f.grad is not None
