@@ -6,6 +6,9 @@ NVIDIA Transformer Engine's TransformerLayer beside them when it is installed.
 --model gpt (default): the GPT layer h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1, s2048 b4.
 --model llama: the Llama-3-8B layer h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, no
 dropout, RoPE, s4096 b1. Any size flag overrides the model's.
+--packed (llama): 8 documents of 4096, 1024, 3072, 512, 2048, 1536, 2560 and 1536 tokens packed into one
+16384-token sequence (qkv_format "thd", cu_seqlens, causal within each document, RoPE positions restarting
+per document); the torch row runs SDPA once per document.
 
 "ms": steps issued back to back (a training loop), the median of 5 rounds that each time every row
 (common.time_interleaved; the CUDA graph row is timed after them); "ms_synced": each step started on an
@@ -101,6 +104,59 @@ class WithKwargs(torch.nn.Module):
         return self.layer(x, **self.kwargs)
 
 
+DOCS = (4096, 1024, 3072, 512, 2048, 1536, 2560, 1536)
+
+
+class TorchPackedLlamaLayer(TorchLlamaLayer):
+    """TorchLlamaLayer on packed documents: x [T, 1, h], attention causal within each document (SDPA per
+    document), RoPE angles per token ([T, 1, 1, d], positions restarting per document)."""
+
+    def __init__(self, *args, docs=DOCS) -> None:
+        super().__init__(*args)
+        self.docs = list(docs)
+
+    def forward(self, x, rope):
+        t, _, h = x.shape
+        q, k, v = self.qkv(self.n1(x)).split([h, self.groups * self.d, self.groups * self.d], dim=-1)
+        q = _rotate(q.view(t, 1, self.heads, self.d), rope)[:, 0].transpose(0, 1)  # [heads, T, d]
+        k = _rotate(k.view(t, 1, self.groups, self.d), rope)[:, 0].transpose(0, 1)
+        v = v.view(t, self.groups, self.d).transpose(0, 1)
+        outs = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+                for qd, kd, vd in zip(q.split(self.docs, 1), k.split(self.docs, 1), v.split(self.docs, 1))]
+        a = torch.cat(outs, dim=1).transpose(0, 1).reshape(t, 1, h)
+        x = x + self.proj(a)
+        gate, up = self.fc1(self.n2(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+def packed_rows(a, dt) -> dict:
+    """The --packed steps: torch (SDPA per document), te_parallel and TE in "thd" with cu_seqlens."""
+    total, d = sum(DOCS), a.hidden // a.heads
+    cu = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    x = torch.randn(total, a.hidden, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+    freqs = te.RotaryPositionEmbedding(d).to("cuda")(max(DOCS))  # [max_doc, 1, 1, d]
+    per_token = torch.cat([freqs[:n] for n in DOCS])  # positions restart per document
+    seqs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(DOCS), max_seqlen_kv=max(DOCS))
+    kw = dict(layer_kwargs("llama", a), attn_input_format="thd", self_attn_mask_type="padding_causal")
+    layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
+    base = TorchPackedLlamaLayer(a.hidden, a.ffn, a.heads, a.gqa).to("cuda", dt)
+    x3, dy3 = x.view(total, 1, a.hidden), dy.view(total, 1, a.hidden)
+    steps = {"torch bf16 + SDPA per document": training_step(base, x3, dy3, rope=per_token)}
+    fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    for name, rec in (("te bf16", None), ("te FP8 delayed", fp8), ("te FP8 current", recipe.Float8CurrentScaling())):
+        steps[name] = training_step(layer, x, dy, rec, rotary_pos_emb=freqs, **seqs)
+    te_peer = transformer_engine()
+    if te_peer is not None:
+        from transformer_engine.pytorch.attention import RotaryPositionEmbedding
+        peer = te_peer.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
+        peer_freqs = RotaryPositionEmbedding(d).to("cuda")(max(DOCS))
+        for kind in (None, "delayed", "current"):
+            steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(
+                peer, x, dy, kind, rotary_pos_emb=peer_freqs, **seqs)
+    return steps
+
+
 MODELS = {"gpt": dict(hidden=4096, ffn=16384, heads=32, gqa=32, seq=2048, batch=4),
           "llama": dict(hidden=4096, ffn=14336, heads=32, gqa=8, seq=4096, batch=1)}
 
@@ -173,12 +229,26 @@ def main() -> None:
         ap.add_argument(f"--{k}", type=int, default=None, help="overrides the model's size")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ablate", action="store_true", help="add FP8 rows with one optimisation off each")
+    ap.add_argument("--packed", action="store_true", help="llama: 8 packed documents in 16k tokens (thd)")
     a = ap.parse_args()
     for k, v in MODELS[a.model].items():
         setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
     if not torch.cuda.is_available():
         sys.exit("bench_transformer needs a CUDA GPU")
     dt = torch.bfloat16
+    if a.packed:
+        if a.model != "llama":
+            sys.exit(f"--packed takes --model llama, got --model {a.model}")
+        steps = packed_rows(a, dt)
+        times = time_interleaved(steps, warmup=5, iters=5, rounds=5)
+        rows, base = [], None
+        for name, step in steps.items():
+            got = measure(name, step, rows, times[name], base)
+            base = base or got
+        report(f"TransformerLayer fwd+bwd (llama, {len(DOCS)} packed documents, {sum(DOCS)} tokens, thd; ms per step "
+               "back to back)", rows, ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced",
+                                      "synced_speedup"], a.json)
+        return
     x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=dt, requires_grad=True)
     dy = torch.randn_like(x)
     fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")

@@ -35,6 +35,48 @@ def window(s, t, left, right):
     return out
 
 
+def te_mask(s, t, mask_type="no_mask", win=None):
+    """bool [s, t], True = masked out, with TE's alignment: causal diagonal (and the window with it)
+    top-left for "causal"/"padding_causal", bottom-right for "*_bottom_right" and non-causal types."""
+    causal_ = "causal" in mask_type
+    bottom_right = mask_type.endswith("bottom_right") or not causal_
+    i = torch.arange(s).view(-1, 1) + ((t - s) if bottom_right else 0)
+    j = torch.arange(t).view(1, -1)
+    out = torch.zeros(s, t, dtype=torch.bool)
+    if causal_:
+        out |= j > i
+    if win is not None:
+        if win[0] >= 0:
+            out |= j < i - win[0]
+        if win[1] >= 0:
+            out |= j > i + win[1]
+    return out
+
+
+def padding_masked(pad_q, pad_kv):
+    """[b, s_q], [b, s_kv] bool (True = padding) -> [b, 1, s_q, s_kv]: padded keys and whole padded query
+    rows (which then output 0, as TE)."""
+    return pad_kv[:, None, None, :] | pad_q[:, None, :, None]
+
+
+def ref_thd(q, k, v, cu_q, cu_kv, mask_type="padding", win=None, scale=None):
+    """Packed q [t_q, h, d], k/v [t_kv, g, d] (fp64) -> [t_q, h·d]: each sequence on its own."""
+    outs = []
+    cq, ck = cu_q.tolist(), cu_kv.tolist()
+    for i in range(len(cq) - 1):
+        qs, ks, vs = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+        sq, skv = qs.shape[0], ks.shape[0]
+        if sq == 0:
+            continue
+        if skv == 0:
+            outs.append(qs.flatten(1) * 0)
+            continue
+        masked = te_mask(sq, skv, mask_type, win)
+        out = ref_attention(qs.unsqueeze(1), ks.unsqueeze(1), vs.unsqueeze(1), masked, scale)
+        outs.append(out.squeeze(1))
+    return torch.cat(outs) if outs else q.flatten(1) * 0
+
+
 def rope_ref(t, base=10000.0):
     """Rotary embedding as complex rotation of (x_i, x_{i+d/2}) pairs by angle pos·base^(-2i/d); t [s, b, h, d]."""
     s, d = t.shape[0], t.shape[-1]
@@ -91,7 +133,9 @@ def ref_gpt(p, x, heads, groups, eps, mask):
 
 
 def ref_bert(p, x, heads, groups, eps, mask):
-    h = x + ref_mha(p, "self_attention.", x, heads, groups, eps, mask, input_ln=False)
+    """mask: the padding mask [b, 1, 1, s] (True = padding); padded query rows attend to nothing (TE)."""
+    pad = mask.view(mask.shape[0], -1)
+    h = x + ref_mha(p, "self_attention.", x, heads, groups, eps, padding_masked(pad, pad), input_ln=False)
     m, y = ref_mlp(p, h, eps)
     return ln(y + m, p["layernorm.weight"], p["layernorm.bias"], eps)
 

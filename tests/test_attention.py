@@ -1,11 +1,11 @@
-"""DotProductAttention and MultiheadAttention vs independent fp64 references: masks, GQA, windows, RoPE, backends."""
-import warnings
-
+"""DotProductAttention and MultiheadAttention on bshd/sbhd vs independent fp64 references: masks, GQA,
+windows, RoPE, backends, the "auto" rule and its errors. Packed (thd) inputs: tests/test_attention_thd.py."""
 import pytest
 import torch
 
 import te_parallel as te
-from tests.attention_reference import causal, ref_attention, rope_ref, window
+from te_parallel.ops.attention import Band, Case, choose_backend, fallback_of, make_band, unsupported_reason
+from tests.attention_reference import causal, padding_masked, ref_attention, rope_ref, te_mask, window
 from tests.reference import rel_err
 
 S, B, H, D = 12, 3, 4, 16
@@ -29,30 +29,72 @@ def _check(dpa, q, k, v, masked, tol=1e-5, **fwd):
         assert rel_err(a.grad.cpu(), r.grad) < tol
 
 
-def _padding(device, s=S):
-    lengths = torch.tensor([s, s - 3, 5])
-    pad = torch.arange(s).view(1, s) >= lengths.view(B, 1)  # True = padding
-    return pad.view(B, 1, 1, s).to(device), pad.view(B, 1, 1, s)
+def _padding(device, s=S, lengths=(S, S - 3, 5)):
+    pad = torch.arange(s).view(1, s) >= torch.tensor(lengths).view(B, 1)  # True = padding
+    return pad.view(B, 1, 1, s).to(device), pad
 
 
 @pytest.mark.parametrize("backend", ["auto", "math", "unfused"])
-@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "padding", "padding_causal", "arbitrary"])
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+                                       "padding_causal_bottom_right", "arbitrary"])
 def test_mask_types(mask_type, backend, device):
     dpa = te.DotProductAttention(H, D, attn_mask_type=mask_type, backend=backend)
     q, k, v = _qkv(device)
     mask, masked = None, None
-    if mask_type in ("padding", "padding_causal"):
-        mask, masked = _padding(device)
+    if "padding" in mask_type:
+        mask, pad = _padding(device)
+        masked = padding_masked(pad, pad)
     if mask_type == "arbitrary":
         masked = torch.rand(B, 1, S, S) < 0.3
         masked[..., 0] = False  # every query keeps one key
         mask = masked.to(device)
-    if "causal" in mask_type:
+    if "causal" in mask_type:  # s_q == s_kv in every sequence: bottom-right is top-left
         masked = causal(S, S) if masked is None else masked | causal(S, S)
     _check(dpa, q, k, v, masked, attention_mask=mask)
-    assert dpa.last_backend in ("cudnn", "flash", "efficient", "math", "unfused")
     if backend != "auto":
         assert dpa.last_backend == backend
+    elif device == "cpu":
+        assert dpa.last_backend == "math"
+
+
+def test_padded_query_rows_are_zero(device):
+    dpa = te.DotProductAttention(H, D, attn_mask_type="padding_causal", qkv_format="bshd")
+    q, k, v = _qkv(device)
+    mask, pad = _padding(device, lengths=(S, 0, 1))  # a fully padded row and a single token
+    out = dpa(*(t.transpose(0, 1) for t in (q, k, v)), attention_mask=mask)
+    assert torch.all(out[pad.to(device)] == 0)
+    assert torch.all(out[1] == 0) and out[2, 0].abs().sum() > 0
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_padding_from_cu_seqlens_matches_mask(device):
+    """TE: bshd/sbhd padding may come as cu_seqlens (valid tokens first) instead of a mask."""
+    dpa = te.DotProductAttention(H, D, attn_mask_type="padding_causal")
+    q, k, v = _qkv(device)
+    mask, _ = _padding(device)
+    cu = torch.tensor([0, S, 2 * S - 3, 2 * S + 2], dtype=torch.int32, device=device)
+    a, b = dpa(q, k, v, attention_mask=mask), dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert torch.equal(a, b)
+
+
+def test_cross_attention_padding_pair(device):
+    dpa = te.DotProductAttention(H, D, attn_mask_type="padding", attention_type="cross")
+    q, k, v = _qkv(device, s=7)
+    pad_q = torch.arange(7).view(1, 7) >= torch.tensor([7, 2, 0]).view(B, 1)
+    _, pad_kv = _padding(device)
+    masks = (pad_q.view(B, 1, 1, 7).to(device), pad_kv.view(B, 1, 1, S).to(device))
+    _check(dpa, q, k, v, padding_masked(pad_q, pad_kv), attention_mask=masks)
+    with pytest.raises(ValueError, match="one padding mask serves self-attention"):
+        dpa(q, k, v, attention_mask=masks[1])
+
+
+def test_causal_ignores_attention_mask(device):
+    """Megatron passes attention_mask with attn_mask_type='causal'; TE ignores it, so do we."""
+    dpa = te.DotProductAttention(H, D, attn_mask_type="causal")
+    q, k, v = _qkv(device)
+    garbage = torch.ones(B, 1, S, S, dtype=torch.bool, device=device)
+    assert torch.equal(dpa(q, k, v, attention_mask=garbage), dpa(q, k, v))
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -61,16 +103,23 @@ def test_gqa_and_mqa(groups, device):
     _check(dpa, *_qkv(device, g=groups), causal(S, S))
 
 
-@pytest.mark.parametrize("win, mask_type", [((3, 0), "causal"), ((2, 2), "no_mask"), ((-1, 1), "no_mask")])
+@pytest.mark.parametrize("win, mask_type", [((3, 0), "causal"), ((2, 2), "no_mask"), ((-1, 1), "no_mask"),
+                                            ((4, -1), "causal_bottom_right"), ((2, 1), "padding_causal")])
 def test_sliding_window(win, mask_type, device):
     dpa = te.DotProductAttention(H, D, attn_mask_type=mask_type, window_size=win)
-    masked = window(S, S, *win) | (causal(S, S) if mask_type == "causal" else False)
-    _check(dpa, *_qkv(device), masked)
+    masked = te_mask(S, S, mask_type, win)
+    mask = None
+    if "padding" in mask_type:
+        mask = torch.zeros(B, 1, 1, S, dtype=torch.bool, device=device)
+    _check(dpa, *_qkv(device), masked, attention_mask=mask)
 
 
 def test_cross_attention_lengths_and_bshd(device):
     dpa = te.DotProductAttention(H, D, attn_mask_type="no_mask", attention_type="cross")
     _check(dpa, *_qkv(device, s=7, skv=S), None)
+    for mask_type in ("causal", "causal_bottom_right"):  # s_q < s_kv: the alignments differ
+        dpa = te.DotProductAttention(H, D, attn_mask_type=mask_type, attention_type="cross", window_size=(2, 0))
+        _check(dpa, *_qkv(device, s=7, skv=S), te_mask(7, S, mask_type, (2, 0)))
     dpa = te.DotProductAttention(H, D, attn_mask_type="causal", qkv_format="bshd")
     q, k, v = _qkv(device)
     out = dpa(*(t.transpose(0, 1) for t in (q, k, v)))
@@ -78,15 +127,13 @@ def test_cross_attention_lengths_and_bshd(device):
     assert rel_err(out.transpose(0, 1).cpu(), ref) < 1e-5
 
 
-def test_unavailable_backend_falls_back_once(device):
+def test_explicit_backend_that_cannot_run_is_an_error():
     dpa = te.DotProductAttention(H, D, attn_mask_type="causal", backend="cudnn")
-    q, k, v = _qkv(device, dtype=torch.float64) if device == "cpu" else _qkv(device, dtype=torch.float64)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        out = dpa(q, k, v)
+    q, k, v = _qkv("cpu", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^DotProductAttention: backend='cudnn' cannot run this input \(sbhd "
+                                         r"torch.float64 on cpu.*it needs a CUDA tensor") as err:
         dpa(q, k, v)
-    assert dpa.last_backend == "unfused" and len([x for x in w if "cudnn" in str(x.message)]) == 1
-    assert rel_err(out.cpu(), ref_attention(*(t.detach().double().cpu() for t in (q, k, v)), causal(S, S))) < 1e-10
+    assert "\n" not in str(err.value)
 
 
 def test_rope_in_mha(device):
@@ -107,8 +154,9 @@ def test_rope_in_mha(device):
     (dict(num_attention_heads=6, kv_channels=D, tp_size=4), "num_attention_heads=6 is not divisible by tp_size=4"),
     (dict(num_attention_heads=4, kv_channels=D, num_gqa_groups=3), "not divisible by num_gqa_groups=3"),
     (dict(num_attention_heads=4, kv_channels=D, attn_mask_type="triangle"), "attn_mask_type must be one of"),
-    (dict(num_attention_heads=4, kv_channels=D, qkv_format="thd"), "qkv_format must be one of"),
+    (dict(num_attention_heads=4, kv_channels=D, qkv_format="tbhd"), "qkv_format must be one of"),
     (dict(num_attention_heads=4, kv_channels=D, window_size=(2,)), "window_size"),
+    (dict(num_attention_heads=4, kv_channels=D, backend="fast"), "backend must be one of"),
 ])
 def test_bad_attention_args(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -122,11 +170,66 @@ def test_bad_masks_and_shapes(device):
         dpa(q, k, v, attention_mask=torch.zeros(B, 1, 1, S - 1, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="torch.float32"):
         dpa(q, k, v, attention_mask=torch.zeros(B, 1, 1, S, device=device))
-    with pytest.raises(ValueError, match="needs attention_mask"):
+    with pytest.raises(ValueError, match="padding masks need attention_mask"):
         dpa(q, k, v)
     with pytest.raises(ValueError, match="expected q with 4 heads"):
         dpa(q[:, :, :2], k, v, attention_mask=torch.zeros(B, 1, 1, S, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="attn_mask_type must be one of"):
         dpa(q, k, v, attn_mask_type="diagonal")
+    with pytest.raises(ValueError, match="alibi_slopes not supported"):
+        dpa(q, k, v, alibi_slopes=torch.ones(H))
+    with pytest.raises(ValueError, match="needs attention_mask"):
+        te.DotProductAttention(H, D, attn_mask_type="arbitrary")(q, k, v)
     with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_attention_heads=3"):
         te.MultiheadAttention(100, 3, device=device)
+
+
+# -- the "auto" rule, on described inputs (no GPU needed) --------------------------------------------
+
+def _case(dtype=torch.bfloat16, cap=(9, 0), d=128, ragged=False, arbitrary=False, band=None, same=True,
+          dropout=False, fe=True, device="cuda"):
+    band = band or make_band("causal", None)
+    return Case(device, cap, dtype, d, ragged, arbitrary, band, same, dropout, fe)
+
+
+@pytest.mark.parametrize("case, want", [
+    (_case(), "cudnn"),                                            # Llama GQA causal on H100: cuDNN, GQA native
+    (_case(cap=(8, 0)), "flash"),                                  # A100: SDPA flash
+    (_case(d=256), "flash"),                                       # cuDNN SDPA head_dim <= 128
+    (_case(ragged=True), "cudnn_fe"),                              # thd / padding with the cuDNN frontend
+    (_case(ragged=True, fe=False), "flash_varlen"),                # ... without it
+    (_case(ragged=True, dropout=True), "flash_varlen"),            # cuDNN graphs here carry no dropout
+    (_case(ragged=True, cap=(8, 0)), "flash_varlen"),
+    (_case(band=make_band("causal", (128, 0))), "cudnn_fe"),       # sliding window, dense input
+    (_case(band=make_band("causal", (128, 0)), fe=False), "flash_varlen"),
+    (_case(band=make_band("causal", None), same=False), "cudnn_fe"),   # top-left causal, s_q != s_kv
+    (_case(band=make_band("causal", None), same=False, fe=False), "efficient"),
+    (_case(band=make_band("causal_bottom_right", None), same=False, fe=False), "flash_varlen"),
+    (_case(arbitrary=True), "efficient"),
+    (_case(dtype=torch.float32), "efficient"),
+    (_case(dtype=torch.float64), "math"),
+    (_case(device="cpu", cap=(0, 0)), "math"),
+])
+def test_auto_rule(case, want):
+    assert choose_backend(case) == want
+
+
+def test_unsupported_reasons_and_fallbacks():
+    assert unsupported_reason("cudnn", _case(ragged=True)).startswith("a dense input")
+    assert unsupported_reason("cudnn_fe", _case(fe=False)).startswith("the cuDNN frontend")
+    assert unsupported_reason("cudnn_fe", _case(ragged=True, dropout=True)) == "no attention dropout"
+    assert unsupported_reason("flash_varlen", _case(dtype=torch.float32)) == "float16 or bfloat16"
+    assert unsupported_reason("flash", _case(device="cpu")) == "a CUDA tensor"
+    assert unsupported_reason("math", _case(arbitrary=True)) is None
+    assert fallback_of("cudnn", _case()) == "flash"
+    assert fallback_of("cudnn_fe", _case(ragged=True)) == "flash_varlen"
+    assert fallback_of("cudnn_fe", _case(band=make_band("causal", None), same=False)) == "efficient"
+    assert fallback_of("flash_varlen", _case(ragged=True)) == "efficient"
+
+
+def test_band_alignment_follows_te():
+    assert make_band("causal", (4, 2)) == Band(False, 4, 0)            # causal: right bound 0, top-left
+    assert make_band("causal_bottom_right", None) == Band(True, -1, 0)
+    assert make_band("padding", (3, 1)) == Band(True, 3, 1)             # non-causal: bottom-right
+    assert make_band("no_mask", None).full
+    assert torch.equal(window(S, S, 2, 0) | causal(S, S), te_mask(S, S, "causal", (2, 0)))

@@ -8,20 +8,27 @@ import torch
 from torch import nn
 
 from te_parallel.module.parallel_mixin import TensorParallelMixin
-from te_parallel.ops.attention import BACKENDS, attention, build_mask, check_mask_type, check_window, choose_backend
+from te_parallel.module.rope import apply_rotary_pos_emb
+from te_parallel.ops.attention import BACKENDS, check_mask_type, check_window, default_scale, make_band
+from te_parallel.ops.attention_dispatch import Call, make_batch, run
+from te_parallel.ops.attention_varlen import token_positions
 from te_parallel.parallel.groups import check_divisible
 
-QKV_FORMATS = ("sbhd", "bshd")
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+# thd is ragged by construction: TE reads "no_mask"/"causal" there as their padding variants
+_THD_MASK = {"no_mask": "padding", "causal": "padding_causal", "causal_bottom_right": "padding_causal_bottom_right"}
 
 
 class DotProductAttention(nn.Module, TensorParallelMixin):
-    """Attention core with TE's arguments. Inputs q [s, b, h/tp, d], k/v [s, b, g/tp, d] ("sbhd", or
-    "bshd"); output [s, b, h/tp · d]. Heads (and GQA groups) are split across the TP group.
+    """Attention core with TE's arguments. Inputs q [s, b, h/tp, d], k/v [s, b, g/tp, d] ("sbhd"),
+    [b, s, ...] ("bshd") or packed sequences q [t, h/tp, d], k/v [t, g/tp, d] ("thd", with
+    cu_seqlens_q/cu_seqlens_kv int32 [batch + 1]); output [s, b, h/tp · d], [b, s, ...] or [t, ...].
+    Heads (and GQA groups) are split across the TP group.
 
-    backend: "auto" (the rule in te_parallel.ops.attention), or "flash", "cudnn", "efficient",
-    "math", "unfused"; `last_backend` says which one ran. Masks: True = masked out.
-    Attention dropout on sharded heads draws from the tracker's model-parallel RNG state when
-    get_rng_state_tracker is given (TE / Megatron).
+    backend: "auto" (the rule in te_parallel.ops.attention), or "cudnn", "cudnn_fe", "flash",
+    "flash_varlen", "efficient", "math", "unfused"; `last_backend` says which one ran. Masks: True =
+    masked out. Padding masks give zeros at padded query positions (as TE). Attention dropout on
+    sharded heads draws from the tracker's model-parallel RNG state when get_rng_state_tracker is given.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
@@ -39,8 +46,7 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         self.num_heads = check_divisible(owner, "num_attention_heads", num_attention_heads, self.tp_size)
         self.num_gqa_groups = check_divisible(owner, "num_gqa_groups", groups, self.tp_size)
         check_mask_type(owner, attn_mask_type)
-        if qkv_format not in QKV_FORMATS:
-            raise ValueError(f"{owner}: qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+        _check_format(owner, qkv_format)
         if attention_type not in ("self", "cross"):
             raise ValueError(f"{owner}: attention_type must be 'self' or 'cross', got {attention_type!r}")
         if backend not in BACKENDS:
@@ -55,13 +61,12 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         """Nothing to initialise: the attention core has no parameters or buffers (here for the
         deferred-init protocol every module follows)."""
 
-    def _to_bhsd(self, t: torch.Tensor, fmt: str) -> torch.Tensor:
-        return t.permute(1, 2, 0, 3) if fmt == "sbhd" else t.transpose(1, 2)
-
     def _check_qkv(self, q, k, v, fmt: str) -> None:
-        heads_q, heads_kv = q.shape[2], k.shape[2]
-        if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-            raise ValueError(f"DotProductAttention: q/k/v must be 4-D [{fmt}] with v like k, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        dims = 3 if fmt == "thd" else 4
+        if q.dim() != dims or k.dim() != dims or v.shape != k.shape:
+            raise ValueError(f"DotProductAttention: q/k/v must be {dims}-D [{fmt}] with v like k, got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        heads_q, heads_kv = q.shape[-2], k.shape[-2]
         if heads_q != self.num_heads or heads_kv != self.num_gqa_groups or q.shape[-1] != self.kv_channels:
             raise ValueError(
                 f"DotProductAttention: expected q with {self.num_heads} heads and k/v with {self.num_gqa_groups} "
@@ -69,29 +74,76 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
             )
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
-                attention_mask=None, qkv_format: Optional[str] = None, attn_mask_type: Optional[str] = None,
-                window_size=None, core_attention_bias_type: str = "no_bias", core_attention_bias=None):
+                attention_mask=None, qkv_format: Optional[str] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
+                cu_seqlens_kv: Optional[torch.Tensor] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+                cu_seqlens_kv_padded: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_kv: Optional[int] = None, attn_mask_type: Optional[str] = None, window_size=None,
+                checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
+                core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True, inference_params=None,
+                pad_between_seqs: Optional[bool] = None, fp8_output: bool = False):
+        """TE 2.x's arguments. attention_mask is read for the padding and arbitrary types only (TE
+        ignores it otherwise). checkpoint_core_attention, fast_zero_fill and pad_between_seqs are
+        accepted and need nothing here (gaps between packed sequences come from cu_seqlens_*_padded)."""
+        owner = "DotProductAttention"
         fmt = qkv_format or self.qkv_format
+        _check_format(owner, fmt)
         mask_type = attn_mask_type or self.attn_mask_type
-        check_mask_type("DotProductAttention", mask_type)
-        window = check_window("DotProductAttention", window_size) if window_size is not None else self.window_size
+        check_mask_type(owner, mask_type)
+        _check_unsupported(owner, core_attention_bias_type, core_attention_bias, alibi_slopes, inference_params, fp8_output)
+        if fmt == "thd":
+            if mask_type == "arbitrary":
+                raise ValueError(f"{owner}: qkv_format='thd' takes no arbitrary mask; sequences come from cu_seqlens")
+            mask_type = _THD_MASK.get(mask_type, mask_type)
+        window = check_window(owner, window_size) if window_size is not None else self.window_size
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
-        q, k, v = (self._to_bhsd(t, fmt) for t in (query_layer, key_layer, value_layer))
-        b, h, sq, _ = q.shape
-        skv = k.shape[2]
-        causal_flag = mask_type == "causal" and window is None and attention_mask is None
-        mask = None if causal_flag else build_mask(mask_type, attention_mask, b, h, sq, skv, window, q.device)
-        backend = choose_backend(self.backend, q, has_mask=mask is not None, gqa=k.shape[1] != h)
-        fallback = "flash" if self.backend == "auto" and backend == "cudnn" else None
+        band = make_band(mask_type, window)
+        batch = make_batch(owner, fmt, query_layer, key_layer, value_layer, mask_type, band, attention_mask,
+                           cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+                           max_seqlen_kv)
         p = self.attention_dropout if self.training else 0.0
+        call = Call(owner, fmt, mask_type, band, default_scale(self.kv_channels, self.softmax_scale), p, self.backend)
         with self._dropout_rng(p):
-            out, self.last_backend = attention(q, k, v, mask, backend, self.softmax_scale, p, is_causal=causal_flag,
-                                               fallback=fallback)
-        out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)  # [s, b, h, d] / [b, s, h, d]
-        return out.reshape(*out.shape[:2], h * out.shape[-1])
+            out, self.last_backend = run(call, batch)
+        return out
 
     def _dropout_rng(self, p: float):
         if p > 0 and self.get_rng_state_tracker is not None:
             tracker = self.get_rng_state_tracker()
             return tracker.fork(self.rng_tracker_name) if self.rng_tracker_name else tracker.fork()
         return contextlib.nullcontext()
+
+
+def _check_format(owner: str, fmt: str) -> None:
+    if fmt not in QKV_FORMATS:
+        raise ValueError(f"{owner}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
+
+
+def _check_unsupported(owner: str, bias_type: str, bias, alibi_slopes, inference_params, fp8_output) -> None:
+    given = [name for name, bad in (("core_attention_bias_type", bias_type != "no_bias"),
+                                    ("core_attention_bias", bias is not None), ("alibi_slopes", alibi_slopes is not None),
+                                    ("inference_params", inference_params is not None), ("fp8_output", bool(fp8_output)))
+             if bad]
+    if given:
+        raise ValueError(f"{owner}: {', '.join(given)} not supported (attention biases, ALiBi, KV caches and FP8 "
+                         f"attention are not implemented); leave them at their defaults")
+
+
+# -- helpers for MultiheadAttention / TransformerLayer in thd --------------------------------------
+
+def check_thd_hidden(owner: str, x: torch.Tensor, what: str = "hidden_states") -> None:
+    """thd layers take hidden_states [total_tokens, hidden]."""
+    if isinstance(x, torch.Tensor) and x.dim() != 2:
+        raise ValueError(f"{owner}: {what} must be 2-D [total_tokens, hidden] for qkv_format 'thd', "
+                         f"got shape {tuple(x.shape)}")
+
+
+def apply_rope_thd(t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """RoPE on packed tokens t [t, h, d]: each token rotated by its position within its own sequence
+    (sequence i starting at row cu_seqlens[i]); freqs [s_max, 1, 1, rot] as RotaryPositionEmbedding gives."""
+    if cu_seqlens is None:
+        raise ValueError("rotary_pos_emb on qkv_format='thd' needs cu_seqlens_q (where each packed sequence starts)")
+    _, pos = token_positions(cu_seqlens, t.shape[0])
+    if t.device.type == "cpu" and t.shape[0] and freqs.shape[0] <= int(pos.max()):  # (on CUDA: no host sync)
+        raise ValueError(f"rotary_pos_emb covers {freqs.shape[0]} positions, a packed sequence has {int(pos.max()) + 1}")
+    per_token = freqs.reshape(freqs.shape[0], -1)[pos].view(t.shape[0], 1, 1, -1)  # [t, 1, 1, rot]
+    return apply_rotary_pos_emb(t.unsqueeze(1), per_token, "sbhd").squeeze(1)

@@ -6,7 +6,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from te_parallel.module.attention import DotProductAttention
+from te_parallel.module.attention import DotProductAttention, apply_rope_thd, check_thd_hidden
 from te_parallel.module.base import check_hidden_states, pack_outputs, resolve_device
 from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm_linear import LayerNormLinear
@@ -31,7 +31,10 @@ class MultiheadAttention(nn.Module):
     rows are grouped per KV group as [q heads of the group, k, v] so a column shard holds whole
     groups; otherwise [q | k | v]. fuse_qkv_params=False gives separate query_/key_/value_ weights.
     forward(hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
-    window_size=None, is_first_microbatch=None, rotary_pos_emb=None) -> out[, bias][, ln_out].
+    window_size=None, is_first_microbatch=None, rotary_pos_emb=None, ..., cu_seqlens_q=None,
+    cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, ...) -> out[, bias][, ln_out].
+    With qkv_format="thd", hidden_states is [total_tokens, hidden] and the cu_seqlens say where each
+    packed sequence starts (RoPE then counts positions from each sequence's start).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
@@ -123,14 +126,14 @@ class MultiheadAttention(nn.Module):
         set_tree_tp_group(self, tp_group)
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
-        return t.reshape(*t.shape[:2], n, self.head_dim)
+        return t.reshape(*t.shape[:-1], n, self.head_dim)
 
     def _split_qkv(self, mixed: torch.Tensor):
         """[.., (h + 2g)/tp · d] -> q [.., h/tp, d], k, v [.., g/tp, d]."""
         h, g = self.core_attention.num_heads, self.core_attention.num_gqa_groups
         if self.interleaved:
-            grouped = mixed.reshape(*mixed.shape[:2], g, h // g + 2, self.head_dim)
-            q = grouped[..., : h // g, :].reshape(*mixed.shape[:2], h, self.head_dim)
+            grouped = mixed.reshape(*mixed.shape[:-1], g, h // g + 2, self.head_dim)
+            q = grouped[..., : h // g, :].reshape(*mixed.shape[:-1], h, self.head_dim)
             return q, grouped[..., h // g, :], grouped[..., h // g + 1, :]
         q, k, v = mixed.split([h * self.head_dim, g * self.head_dim, g * self.head_dim], dim=-1)
         return self._heads(q, h), self._heads(k, g), self._heads(v, g)
@@ -138,17 +141,27 @@ class MultiheadAttention(nn.Module):
     def _split_kv(self, mixed: torch.Tensor):
         g = self.core_attention.num_gqa_groups
         if self.interleaved:
-            grouped = mixed.reshape(*mixed.shape[:2], g, 2, self.head_dim)
+            grouped = mixed.reshape(*mixed.shape[:-1], g, 2, self.head_dim)
             return grouped[..., 0, :], grouped[..., 1, :]
         k, v = mixed.chunk(2, dim=-1)
         return self._heads(k, g), self._heads(v, g)
 
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        if self.qkv_format == "thd":
+            check_thd_hidden("MultiheadAttention", x, what)
+        else:
+            check_hidden_states("MultiheadAttention", x, self.qkv_format, what)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output: Optional[torch.Tensor] = None,
                 attn_mask_type: Optional[str] = None, window_size=None, is_first_microbatch: Optional[bool] = None,
-                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None):
-        check_hidden_states("MultiheadAttention", hidden_states, self.qkv_format)
+                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None,
+                core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
+                cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, fast_zero_fill: bool = True,
+                pad_between_seqs: Optional[bool] = None):
+        self._check_input(hidden_states, "hidden_states")
         if encoder_output is not None:
-            check_hidden_states("MultiheadAttention", encoder_output, self.qkv_format, "encoder_output")
+            self._check_input(encoder_output, "encoder_output")
         first = getattr(self, self._qkv_name)
         out = first(hidden_states, is_first_microbatch=is_first_microbatch)
         ln_out = None
@@ -163,9 +176,19 @@ class MultiheadAttention(nn.Module):
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
-            q = apply_rotary_pos_emb(q, q_emb, self.qkv_format)
-            k = apply_rotary_pos_emb(k, k_emb, self.qkv_format)
-        context = self.core_attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type, window_size=window_size)
+            if self.qkv_format == "thd":  # positions within each packed sequence
+                starts_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+                starts_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+                starts_kv = starts_q if starts_kv is None else starts_kv
+                q, k = apply_rope_thd(q, q_emb, starts_q), apply_rope_thd(k, k_emb, starts_kv)
+            else:
+                q = apply_rotary_pos_emb(q, q_emb, self.qkv_format)
+                k = apply_rotary_pos_emb(k, k_emb, self.qkv_format)
+        context = self.core_attention(
+            q, k, v, attention_mask, attn_mask_type=attn_mask_type, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)  # bias in the GEMM unless returned
         out, bias = out if self.return_bias else (out, None)
         return pack_outputs(out, bias, ln_out, self.return_bias, self.input_layernorm and self.return_layernorm_output)

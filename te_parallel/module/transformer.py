@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from te_parallel.module.attention import check_thd_hidden
 from te_parallel.module.base import activation_dtype, check_hidden_states, check_input
 from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm import LayerNorm, RMSNorm
@@ -41,7 +42,9 @@ class TransformerLayer(nn.Module):
     (the attention then has no input norm, the MLP's norm output is its residual, a final norm
     follows). T5 decoder: layer_type="decoder" adds cross attention over encoder_output.
     With set_parallel_mode and a TP group: QKV/FC1 column-parallel, PROJ/FC2 row-parallel; with
-    sequence_parallel, hidden_states is [s/tp, b, h] and so is the output.
+    sequence_parallel, hidden_states is [s/tp, b, h] and so is the output. With attn_input_format="thd"
+    (packed sequences) hidden_states is [total_tokens, h] and forward takes TE's cu_seqlens_q/kv and
+    max_seqlen_q/kv.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -132,7 +135,10 @@ class TransformerLayer(nn.Module):
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """hidden_states checked and in the activation dtype (the parameters', or torch.autocast's): the
         residual stream, and so the output, is in that dtype whatever the input's."""
-        check_hidden_states("TransformerLayer", x, self.attn_input_format)
+        if self.attn_input_format == "thd":  # packed sequences: [total_tokens, hidden]
+            check_thd_hidden("TransformerLayer", x)
+        else:
+            check_hidden_states("TransformerLayer", x, self.attn_input_format)
         check_input("TransformerLayer", x, self.layernorm_mlp.hidden_size)
         dtype = activation_dtype(self.layernorm_mlp.param_dtype, x.device)
         return x if x.dtype == dtype else x.to(dtype)
@@ -148,14 +154,24 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, self_attn_mask_type: Optional[str] = None,
                 window_size=None, encoder_output: Optional[torch.Tensor] = None, enc_dec_attn_mask=None,
                 enc_dec_attn_mask_type: Optional[str] = None, is_first_microbatch: Optional[bool] = None,
-                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None):
+                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None,
+                core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
+                cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, fast_zero_fill: bool = True,
+                pad_between_seqs: Optional[bool] = None):
         mask_type = self_attn_mask_type or self.self_attn_mask_type
         hidden_states = self._input(hidden_states)
+        # packed sequences (attn_input_format="thd"): cu_seqlens_q/kv int32 [batch + 1], as TE
+        seqs = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                    cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                    core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                    alibi_slopes=alibi_slopes)
         x = self._block(self.self_attention, hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type,
-                        window_size=window_size, is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
+                        window_size=window_size, is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb,
+                        **seqs)
         if self.layer_type == "decoder":
             x = self._block(self.inter_attention, x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                             attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type,
-                            is_first_microbatch=is_first_microbatch)
+                            is_first_microbatch=is_first_microbatch, **seqs)
         x = self._block(self.layernorm_mlp, x, is_first_microbatch=is_first_microbatch)
         return self.layernorm(x) if self.output_layernorm else x

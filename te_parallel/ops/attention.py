@@ -1,32 +1,45 @@
-"""Scaled dot-product attention: masks (True = masked out), backend choice, and the unfused reference.
+"""Scaled dot-product attention: masks (True = masked out), the backend rule, and the dense kernels.
 
-Backends: PyTorch SDPA's flash, cuDNN and memory-efficient kernels, SDPA's math path, and the
-unfused reference below. `choose_backend` is the documented rule for "auto":
-  * CPU: "math" (SDPA's CPU kernels pick their own implementation).
-  * CUDA Hopper or newer (sm_90+), fp16/bf16, head_dim <= 128 and a multiple of 8, as many KV heads
-    as query heads, no explicit mask: "cudnn" (cuDNN's fused flash attention; on an H200 at the GPT
-    layer's shape, 32 heads of 128 at s2048 b4, 1.65 ms fwd+bwd against 2.22 ms for SDPA's flash
-    kernels), with "flash" as the fallback if cuDNN refuses the input.
-  * CUDA, fp16/bf16, head_dim <= 256 and a multiple of 8, no explicit mask (no_mask, or causal
-    without a sliding window): "flash" (is_causal is passed as a flag, GQA natively).
-  * CUDA otherwise (masks, windows, fp32): "efficient" (takes any boolean mask, any float dtype).
-An explicit backend overrides the rule. If the chosen SDPA kernel refuses the input, the layer
-falls back to "unfused" with one warning: it never fails for want of a backend.
+Two families of kernels:
+  dense   q [b, h, s_q, d], k/v [b, g, s_kv, d] with a boolean mask or SDPA's is_causal flag:
+          "cudnn", "flash", "efficient", "math" (PyTorch SDPA) and "unfused" (`attention_reference`);
+  varlen  q [t_q, h, d], k/v [t_kv, g, d] with cu_seqlens: "cudnn_fe" (cuDNN frontend graphs,
+          ops/attention_cudnn_fe.py) and "flash_varlen" (flash-attention's varlen kernels through aten,
+          ops/attention_varlen.py).
+Packed ("thd") inputs and padding masks are ragged by nature: a dense backend takes them padded, a
+varlen backend takes bshd/sbhd inputs unpadded. GQA (g < h) runs natively everywhere except in the
+memory-efficient kernel and the reference, which repeat K/V heads.
+
+`choose_backend` is the rule for "auto" (timings in docs/attention.md):
+  * CPU: "math".
+  * CUDA fp16/bf16, dense input (no padding, no thd), no window, causal only with s_q == s_kv:
+    "cudnn" on sm_90+ with head_dim <= 128 and a multiple of 8 (GQA native), else "flash".
+  * CUDA fp16/bf16 otherwise (thd, padding masks, sliding windows): "cudnn_fe" when the cuDNN
+    frontend imports, the GPU is sm_90+, head_dim <= 128 and there is no dropout; else "flash_varlen".
+  * CUDA otherwise (arbitrary masks, fp32): "efficient"; fp64: "math".
+When the chosen kernel refuses the input at run time, `fallback_of` names the next one; the switch
+warns once with the reason. An explicit backend that cannot take the input is a ValueError
+(`unsupported_reason` says what it needs).
 """
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "arbitrary")
-BACKENDS = ("auto", "flash", "cudnn", "efficient", "math", "unfused")
+MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+              "padding_causal_bottom_right", "arbitrary")
+BACKENDS = ("auto", "cudnn", "cudnn_fe", "flash", "flash_varlen", "efficient", "math", "unfused")
+DENSE_BACKENDS = ("cudnn", "flash", "efficient", "math", "unfused")
+VARLEN_BACKENDS = ("cudnn_fe", "flash_varlen")
 _SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+_HALF = (torch.float16, torch.bfloat16)
 _WARNED = set()
 
 
@@ -44,75 +57,146 @@ def check_window(owner: str, window_size) -> Optional[Tuple[int, int]]:
     return None if tuple(window_size) == (-1, -1) else tuple(window_size)
 
 
-def _check_mask_shape(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, what: str) -> None:
-    want = (b, h, sq, skv)
-    if mask.dtype != torch.bool or mask.dim() != 4 or any(m not in (1, w) for m, w in zip(mask.shape, want)):
-        raise ValueError(
-            f"{what} must be a bool tensor broadcastable to [batch, heads, s_q, s_kv] = {list(want)} "
-            f"(True = masked out), got {tuple(mask.shape)} {mask.dtype}"
-        )
+def warn_once(key, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
 
 
-def build_mask(mask_type: str, attention_mask, b: int, h: int, sq: int, skv: int, window, device) -> Optional[torch.Tensor]:
-    """The boolean mask (True = masked out), broadcastable to [b, h, sq, skv], or None if nothing is masked.
+@dataclass(frozen=True)
+class Band:
+    """The keys query i of a sequence sees: j in [p - left, p + right] (-1 = unbounded), where
+    p = i (top-left alignment) or p = i + s_kv - s_q (bottom-right), s_q/s_kv being that sequence's
+    lengths. A causal mask is right = 0; a window adds `left` (and `right` when not causal)."""
+    bottom_right: bool
+    left: int
+    right: int
 
-    padding: attention_mask [b, 1, 1, s_kv] (or a (q_mask, kv_mask) pair for cross attention); keys
-    that are padding are masked; padded queries still attend to the valid keys (their outputs are
-    not meaningful and should be ignored by the loss) so no row is fully masked.
-    causal: key j is masked for query i when j > i (top-left aligned; causal_bottom_right shifts by
-    s_kv - s_q). window (left, right): only keys in [i + s_kv - s_q - left, i + s_kv - s_q + right]
-    are kept (flash-attention's convention; -1 = unbounded).
-    """
-    mask = None
-    if mask_type in ("padding", "padding_causal"):
-        if attention_mask is None:
-            raise ValueError(f"attn_mask_type={mask_type!r} needs attention_mask [batch, 1, 1, s_kv] (True = padding)")
-        kv_mask = attention_mask[1] if isinstance(attention_mask, (tuple, list)) else attention_mask
-        _check_mask_shape(kv_mask, b, 1, 1, skv, "padding attention_mask")
-        mask = kv_mask
-    elif mask_type == "arbitrary":
-        if attention_mask is None:
-            raise ValueError("attn_mask_type='arbitrary' needs attention_mask [batch|1, heads|1, s_q, s_kv] (True = masked)")
-        _check_mask_shape(attention_mask, b, h, sq, skv, "arbitrary attention_mask")
-        mask = attention_mask
-    elif attention_mask is not None and mask_type in ("no_mask", "causal", "causal_bottom_right"):
-        raise ValueError(f"attn_mask_type={mask_type!r} takes no attention_mask; use 'padding', 'padding_causal' or 'arbitrary'")
-    i = torch.arange(sq, device=device).view(sq, 1)
-    j = torch.arange(skv, device=device).view(1, skv)
-    if "causal" in mask_type:
-        shift = skv - sq if mask_type == "causal_bottom_right" else 0
-        mask = _or(mask, j > i + shift)
-    if window is not None:
-        left, right = window
-        pos = i + (skv - sq)
-        win = torch.zeros(sq, skv, dtype=torch.bool, device=device)
-        if left >= 0:
-            win |= j < pos - left
-        if right >= 0:
-            win |= j > pos + right
-        mask = _or(mask, win)
-    return mask
+    @property
+    def full(self) -> bool:
+        return self.left < 0 and self.right < 0
+
+    @property
+    def causal_only(self) -> bool:
+        return self.left < 0 and self.right == 0
 
 
-def _or(a: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else a | b
+def make_band(mask_type: str, window: Optional[Tuple[int, int]]) -> Band:
+    """TE's alignment: the causal diagonal, and with it the window, is top-left for "causal" and
+    "padding_causal", bottom-right for the "*_bottom_right" types and for the non-causal ones."""
+    causal = "causal" in mask_type
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0  # causal ∩ [p - left, p + right] keeps j <= p whatever right is
+    bottom_right = not causal or mask_type.endswith("bottom_right")
+    if left < 0 and right < 0:
+        bottom_right = True  # nothing to align
+    return Band(bottom_right, left, right)
 
 
-def choose_backend(requested: str, q: torch.Tensor, has_mask: bool, gqa: bool = False) -> str:
-    if requested != "auto":
-        return requested
-    if q.device.type != "cuda":
+def band_mask(band: Band, len_q, len_kv, sq: int, skv: int, device) -> Optional[torch.Tensor]:
+    """bool [b|1, 1, sq, skv], True = outside the band; len_q/len_kv: int tensors [b] (per-sequence
+    lengths, for the bottom-right shift) or None (= sq, skv). None when the band is full."""
+    if band.full:
+        return None
+    i = torch.arange(sq, device=device).view(1, 1, sq, 1)
+    j = torch.arange(skv, device=device).view(1, 1, 1, skv)
+    pos = i
+    if band.bottom_right:
+        lq = sq if len_q is None else len_q.view(-1, 1, 1, 1).long()
+        lkv = skv if len_kv is None else len_kv.view(-1, 1, 1, 1).long()
+        pos = i + (lkv - lq)
+    out = torch.zeros((), dtype=torch.bool, device=device)
+    if band.left >= 0:
+        out = out | (j < pos - band.left)
+    if band.right >= 0:
+        out = out | (j > pos + band.right)
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    """What decides the kernel: device, dtype, head size, the input's raggedness and mask."""
+    device_type: str
+    capability: Tuple[int, int]
+    dtype: torch.dtype
+    head_dim: int
+    ragged: bool        # thd input or a padding mask
+    arbitrary: bool     # a user mask of any shape
+    band: Band
+    same_lengths: bool  # every sequence has s_q == s_kv (top-left == bottom-right)
+    dropout: bool
+    cudnn_fe: bool      # the cuDNN frontend imports
+
+    @property
+    def dense_ok(self) -> bool:
+        """SDPA's fused kernels: no padding, no window, causal only as the is_causal flag."""
+        return not self.ragged and not self.arbitrary and (self.band.full or (self.band.causal_only and self.same_lengths))
+
+
+def make_case(q: torch.Tensor, *, ragged: bool, arbitrary: bool, band: Band, same_lengths: bool,
+              dropout: bool, cudnn_fe: bool) -> Case:
+    cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
+    return Case(q.device.type, cap, q.dtype, q.shape[-1], ragged, arbitrary, band, same_lengths, dropout, cudnn_fe)
+
+
+def unsupported_reason(backend: str, c: Case) -> Optional[str]:
+    """None if `backend` takes the case, else what it needs (for the one-line error)."""
+    if backend in ("math", "unfused"):
+        return None
+    if c.device_type != "cuda":
+        return "a CUDA tensor"
+    if backend == "efficient":
+        return None if c.dtype in _HALF + (torch.float32,) else "float16, bfloat16 or float32"
+    if c.dtype not in _HALF:
+        return "float16 or bfloat16"
+    if c.head_dim % 8:
+        return "head_dim a multiple of 8"
+    if backend in ("cudnn", "flash"):
+        if c.head_dim > (128 if backend == "cudnn" else 256):
+            return f"head_dim <= {128 if backend == 'cudnn' else 256}"
+        if not c.dense_ok:
+            return "a dense input (no thd, padding, arbitrary mask or window; causal only with s_q == s_kv)"
+        return None
+    if c.arbitrary:
+        return "no arbitrary mask"
+    if backend == "flash_varlen":
+        if c.capability < (8, 0) or c.head_dim > 256:
+            return "sm_80+ and head_dim <= 256"
+        if not (c.band.bottom_right or c.same_lengths):
+            return "a bottom-right causal diagonal or window where s_q != s_kv ('causal_bottom_right')"
+        return None
+    if not c.cudnn_fe:
+        return "the cuDNN frontend (pip install nvidia-cudnn-frontend)"
+    if c.capability < (9, 0) or c.head_dim > 128:
+        return "sm_90+ and head_dim <= 128"
+    return "no attention dropout" if c.dropout else None
+
+
+def choose_backend(c: Case) -> str:
+    """The "auto" rule (see the module docstring)."""
+    if c.device_type != "cuda":
         return "math"
-    d = q.shape[-1]
-    if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0 and not has_mask:
-        hopper = torch.cuda.get_device_capability(q.device) >= (9, 0)
-        return "cudnn" if hopper and d <= 128 and not gqa else "flash"
-    return "efficient"
+    for backend in ("cudnn", "flash", "cudnn_fe", "flash_varlen"):
+        if backend == "cudnn" and c.capability < (9, 0):
+            continue
+        if unsupported_reason(backend, c) is None:
+            return backend
+    return "efficient" if unsupported_reason("efficient", c) is None else "math"
+
+
+def fallback_of(backend: str, c: Case) -> str:
+    """The kernel to use, with a warning, when `backend` refuses the input at run time."""
+    order = {"cudnn": ("flash", "efficient", "math"), "flash": ("efficient", "math"),
+             "cudnn_fe": ("flash_varlen", "efficient", "math"), "flash_varlen": ("efficient", "math"),
+             "efficient": ("math",), "math": ("unfused",)}[backend]
+    return next(b for b in order if unsupported_reason(b, c) is None)
 
 
 def attention_reference(q, k, v, mask: Optional[torch.Tensor], scale: float, dropout_p: float = 0.0,
                         is_causal: bool = False) -> torch.Tensor:
-    """Unfused attention on [b, h, s, d] (k/v may have fewer heads: GQA), softmax in fp32."""
+    """Unfused attention on [b, h, s, d] (k/v may have fewer heads: GQA), softmax in fp32 or wider.
+    A query whose every key is masked attends to nothing (output 0, gradient 0)."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -121,41 +205,46 @@ def attention_reference(q, k, v, mask: Optional[torch.Tensor], scale: float, dro
     if is_causal:
         sq, skv = scores.shape[-2:]
         mask = _or(mask, torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(1))
+    empty = None
     if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row attends to nothing
+        # finite fill: an all-masked row then softmaxes to a uniform row, which is zeroed below
+        # (no NaN reaches the backward, unlike -inf)
+        scores = scores.masked_fill(mask, torch.finfo(acc).min)
+        empty = mask.all(-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1)
+    if empty is not None:
+        probs = probs.masked_fill(empty, 0.0)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def attention(q, k, v, mask, backend: str, scale: Optional[float] = None, dropout_p: float = 0.0,
-              is_causal: bool = False, fallback: Optional[str] = None) -> Tuple[torch.Tensor, str]:
-    """q [b, h, sq, d], k/v [b, g, skv, d] -> ([b, h, sq, d], backend used).
+def _or(a: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a | b
 
-    fallback: the backend to try, silently, if `backend` refuses the input (the "auto" rule's second
-    choice); the unfused implementation (with one warning) comes after it."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+def dense_attention(q, k, v, mask: Optional[torch.Tensor], is_causal: bool, backend: str, scale: float,
+                    dropout_p: float) -> torch.Tensor:
+    """q [b, h, sq, d], k/v [b, g, skv, d], mask bool (True = masked out) -> [b, h, sq, d].
+
+    Rows whose every key is masked give 0: before an SDPA kernel (some return NaN there) such a row
+    is given its first key and its output is zeroed afterwards."""
     if backend == "unfused":
-        return attention_reference(q, k, v, mask, scale, dropout_p, is_causal), "unfused"
+        return attention_reference(q, k, v, mask, scale, dropout_p, is_causal)
+    empty = None
+    if mask is not None:
+        empty = mask.all(-1, keepdim=True)
+        first = torch.arange(mask.shape[-1], device=mask.device) == 0
+        mask = mask & ~(empty & first)
     gqa = k.shape[1] != q.shape[1]
-    if gqa and backend != "flash":
+    if gqa and backend == "efficient":
         rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    try:
-        with sdpa_kernel([_SDPA[backend]]):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if mask is None else ~mask, dropout_p=dropout_p,
-                is_causal=is_causal, scale=scale, enable_gqa=gqa and backend == "flash",
-            )
-        return out, backend
-    except RuntimeError as err:
-        if fallback is not None:
-            return attention(q, k, v, mask, fallback, scale, dropout_p, is_causal)
-        key = (backend, q.dtype, q.device.type)
-        if key not in _WARNED:
-            _WARNED.add(key)
-            first = str(err).strip().splitlines()[0][:160]
-            warnings.warn(f"te_parallel attention: SDPA backend '{backend}' cannot run this input ({first}); "
-                          "using the unfused implementation", stacklevel=3)
-        return attention_reference(q, k, v, mask, scale, dropout_p, is_causal), "unfused"
+        k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
+    with sdpa_kernel([_SDPA[backend]]):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def default_scale(head_dim: int, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
