@@ -5,6 +5,7 @@
 """
 from te_parallel import init, native, recipe
 from te_parallel.fp8 import Float8Tensor, fp8_autocast, is_fp8_available
+from te_parallel.fp8.autocast import autocast  # TE 2.9's name (the package keeps the submodule name)
 from te_parallel.fp8.params import Float8Weight, MasterWeights, fp8_model_init, quantized_model_init
 from te_parallel.fp8.recompute import checkpoint
 from te_parallel.convert import LLAMA_TP_PLAN, convert
@@ -24,6 +25,7 @@ from te_parallel.module import (
 from te_parallel.parallel.dcp import dcp_state_dict, load_dcp_state_dict
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig, initialize_ub
 from te_parallel.parallel.random import CudaRNGStatesTracker
+from te_parallel.te_layout import from_te_state_dict, to_te_state_dict
 
 __version__ = "0.1.0"
 
@@ -47,10 +49,13 @@ __all__ = [
     "checkpoint",
     "dcp_state_dict",
     "load_dcp_state_dict",
+    "to_te_state_dict",
+    "from_te_state_dict",
     "make_graphed_callables",
     "convert",
     "LLAMA_TP_PLAN",
     "fp8_autocast",
+    "autocast",
     "is_fp8_available",
     "Float8Tensor",
     "Float8Weight",

@@ -27,7 +27,7 @@ from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.parallel.groups import amax_group
 from te_parallel.recipe import DelayedScaling, Recipe, fp8_max
 
-__all__ = ["fp8_autocast", "is_fp8_available", "FP8Frame", "current_frame"]
+__all__ = ["fp8_autocast", "autocast", "is_fp8_available", "FP8Frame", "current_frame"]
 
 
 @dataclass(frozen=True)
@@ -212,3 +212,12 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
         frames.pop()
         if not frames:
             _TLS.fwd.flush()
+
+
+class autocast(fp8_autocast):  # noqa: N801 (TE 2.9's name)
+    """TE 2.9's name for `fp8_autocast`, with its argument names: `recipe` (fp8_recipe) and
+    `amax_reduction_group` (fp8_group). Same region, same semantics."""
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+                 amax_reduction_group=None) -> None:
+        super().__init__(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe, fp8_group=amax_reduction_group)

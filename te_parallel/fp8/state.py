@@ -13,6 +13,10 @@ Loading (documented defaults, docs/checkpoints.md): a checkpoint without these k
 a non-FP8 model, e.g. plain torch) keeps a fresh state (scale 1, empty history) and warns once; a
 history of another length is adopted as saved (the next autocast resizes it to the recipe's
 length, keeping the most recent rows); a different number of slots is an error.
+
+`in_extra_state = True` (set by modules that write TE's checkpoint layout, e.g. the `transformer_engine`
+compat package): the owner carries this state in its `_extra_state` (te_parallel.fp8.te_extra_state), so
+these buffers stay out of `state_dict()`, and a checkpoint without them loads silently.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ class FP8ScalingState(nn.Module):
         # (backward, slot) -> (history, scale, scale view, amax cell view): the per-cast look-ups of
         # `slot_views`, valid while the buffers are the same tensor objects (every update is in place).
         self._views: dict = {}
+        self.in_extra_state = False
 
     def _apply(self, fn, recurse=True):
         """`module.to(dtype)` / `.half()` must not touch the scaling state: amaxes and scales stay fp32."""
@@ -125,6 +130,8 @@ class FP8ScalingState(nn.Module):
 
     # checkpoints ---------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.in_extra_state:
+            return
         with torch.no_grad():
             self.update_count.copy_(torch.tensor(self._count_host, dtype=torch.int64))
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -133,6 +140,8 @@ class FP8ScalingState(nn.Module):
                               unexpected_keys, error_msgs):
         keys = [prefix + k for k in (*_KEYS, "update_count")]
         present = [k for k in keys if k in state_dict]
+        if not present and self.in_extra_state:
+            return
         if not present:
             warnings.warn(
                 f"checkpoint has no FP8 scaling state under '{prefix}'; keeping a fresh one (scale 1, empty amax history)",

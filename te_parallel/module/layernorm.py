@@ -13,20 +13,38 @@ from te_parallel.ops.norm import layer_norm, rms_norm
 from te_parallel.parallel.collectives import all_reduce_grad
 
 
+def _hidden_size(owner: str, hidden_size, normalized_shape) -> int:
+    """TE 2.x names the size `normalized_shape` (an int or a one-element sequence, as torch.nn.LayerNorm)
+    and keeps `hidden_size` as the older name; either may be given, or both when they agree."""
+    if normalized_shape is None:
+        if hidden_size is None:
+            raise TypeError(f"{owner}: give the normalized size, as normalized_shape (or hidden_size)")
+        return hidden_size
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(shape) != 1 or not isinstance(shape[0], int):
+        raise ValueError(f"{owner}: normalizes over the last dim only, so normalized_shape must be an int or a "
+                         f"1-element sequence, got {normalized_shape!r}")
+    if hidden_size is not None and hidden_size != shape[0]:
+        raise ValueError(f"{owner}: hidden_size={hidden_size} and normalized_shape={normalized_shape!r} disagree; give one")
+    return shape[0]
+
+
 class _Norm(nn.Module, TensorParallelMixin):
     """Under sequence_parallel each rank normalizes its own tokens, so γ/β gradients are partial.
     With a tp_group (te_parallel's addition to TE's arguments, or set_tensor_parallel_group) they are
     all-reduced here; without one the parameters carry Megatron's `sequence_parallel` marker and
     the caller reduces them, as with TE."""
 
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype, zero_centered_gamma: bool,
-                 device, with_bias: bool, tp_group) -> None:
+    def __init__(self, hidden_size: Optional[int], eps: float, sequence_parallel: bool, params_dtype,
+                 zero_centered_gamma: bool, device, with_bias: bool, tp_group, normalized_shape=None) -> None:
         super().__init__()
         name = type(self).__name__
+        hidden_size = _hidden_size(name, hidden_size, normalized_shape)
         check_features(name, hidden_size=hidden_size)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         self._init_tp(name, tp_group, 1, sequence_parallel)
         self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, eps, zero_centered_gamma
+        self.normalized_shape = (hidden_size,)  # torch.nn.LayerNorm's attribute (TE 2.x has it too)
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype)) if with_bias else None
         self.reset_parameters()
@@ -73,10 +91,11 @@ class _Norm(nn.Module, TensorParallelMixin):
 class LayerNorm(_Norm):
     """y = (x − mean) / sqrt(var + eps) · γ + β over the last dim (γ = 1 + weight if zero_centered_gamma)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+    def __init__(self, hidden_size: Optional[int] = None, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None,
-                 tp_group=None) -> None:
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True, tp_group)
+                 tp_group=None, normalized_shape=None) -> None:
+        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True, tp_group,
+                         normalized_shape)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         weight, bias = self._params()
@@ -86,10 +105,11 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     """y = x / sqrt(mean(x²) + eps) · γ over the last dim (γ = 1 + weight if zero_centered_gamma)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+    def __init__(self, hidden_size: Optional[int] = None, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None,
-                 tp_group=None) -> None:
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False, tp_group)
+                 tp_group=None, normalized_shape=None) -> None:
+        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False, tp_group,
+                         normalized_shape)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         weight, _ = self._params()

@@ -5,6 +5,7 @@ from typing import Callable, Optional
 
 import torch
 
+from te_parallel.fp8 import recompute
 from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
                                      mark_sequence_parallel, norm_forward, overlap_settings, pack_outputs,
                                      resolve_device, resolve_dtype)
@@ -23,9 +24,13 @@ class LayerNormMLP(GemmModule):
     With set_parallel_mode=True and a TP group: fc1 column-parallel, fc2 row-parallel (Megatron's
     MLP: one collective each way); a gated fc1 shard holds [a_r; b_r], this rank's rows of each
     half, so the activation stays local. Under sequence_parallel the norm sees 1/tp of the tokens
-    and its γ/β gradients are all-reduced here (`allreduce_sp_grads`, default True).
+    and its γ/β gradients, and those of an fc2 bias returned by return_bias, are all-reduced here
+    (`allreduce_sp_grads`, default True; False leaves them to the caller, as TE does).
     bwd_chunk_bytes (te_parallel's addition): the backward makes fc2's data gradient, the largest
     tensor of the step, in row chunks of about this many bytes (ops.mlp), bounding peak memory.
+    checkpoint (TE's selective recompute): keep only the input for backward and recompute the module's
+    forward there (te.checkpoint: bit-identical, FP8 scales and quantized weights replayed), so fc1's
+    output and the activation are not held from forward to backward.
     forward(inp, is_first_microbatch=None) -> out[, fc2 bias if return_bias][, ln_out if return_layernorm_output].
     """
 
@@ -61,6 +66,7 @@ class LayerNormMLP(GemmModule):
         ub_comm=None,
         allreduce_sp_grads: bool = True,
         bwd_chunk_bytes: int = DEFAULT_BWD_CHUNK_BYTES,
+        checkpoint: bool = False,
     ) -> None:
         check_features("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
                        bwd_chunk_bytes=bwd_chunk_bytes)
@@ -85,7 +91,7 @@ class LayerNormMLP(GemmModule):
         self.return_layernorm_output = return_layernorm_output
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.params_dtype, self.set_parallel_mode = dtype, set_parallel_mode
-        self.bwd_chunk_bytes = bwd_chunk_bytes
+        self.bwd_chunk_bytes, self.checkpoint = bwd_chunk_bytes, bool(checkpoint)
         add_norm_params(self, hidden_size, normalization, zero_centered_gamma, device, dtype)
         gated = is_gated(activation)  # fc1's local rows are [a_r; b_r]: two blocks of the full weight
         common = dict(bias=bias, parameters_split=None, device=device, dtype=dtype)
@@ -112,6 +118,11 @@ class LayerNormMLP(GemmModule):
         return gemm_layouts(self, self._param_parts())
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        if self.checkpoint and torch.is_grad_enabled():
+            return recompute.checkpoint(self._forward, inp, is_first_microbatch)
+        return self._forward(inp, is_first_microbatch)
+
+    def _forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool]):
         check_input("LayerNormMLP", inp, self.hidden_size)
         dtype = activation_dtype(self.param_dtype, inp.device)
         frame = self._fp8_frame()
@@ -131,7 +142,7 @@ class LayerNormMLP(GemmModule):
             fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
             out = LinearFunction.apply(apply_activation(self.activation, fc1_out), w2, b2, plan2)
         fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)
-        if self.return_bias and fc2_par.gathers_grad:
+        if self.return_bias and fc2_par.gathers_grad and self.allreduce_sp_grads:
             fc2_bias = all_reduce_grad(fc2_bias, self.tp_group)
         if self.return_layernorm_output and self.return_layernorm_output_gathered and fc1_par.gathers_input:
             ln_out = gather_from_sp(ln_out, self.tp_group)

@@ -33,6 +33,10 @@ class Linear(GemmModule):
     `in_features` / `out_features` attributes hold the local sizes, as in TE.
     forward(inp, is_first_microbatch=None) -> out, or (out, bias) with return_bias=True (the bias
     is then not added, so it can be fused downstream; for row-parallel it is the full bias).
+    allreduce_sp_grads (te_parallel's addition, default True): under sequence parallelism the caller adds
+    a row-parallel bias returned by return_bias=True to its 1/tp of the tokens, so its gradient is partial;
+    True sums it over the TP group here, False leaves that to the caller, as TE does (the bias carries
+    Megatron's `sequence_parallel` marker, which Megatron's gradient finalisation reduces).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Linear(GemmModule):
         ub_bulk_wgrad: bool = False,
         ub_name: Optional[str] = None,
         ub_comm=None,
+        allreduce_sp_grads: bool = True,
     ) -> None:
         check_features("Linear", in_features=in_features, out_features=out_features)
         check_parallel_mode("Linear", parallel_mode)
@@ -75,7 +80,7 @@ class Linear(GemmModule):
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.in_features, self.out_features = local_features("Linear", in_features, out_features, parallel_mode, self.tp_size)
         self.use_bias, self.return_bias = bias, return_bias
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.fuse_wgrad_accumulation, self.allreduce_sp_grads = fuse_wgrad_accumulation, allreduce_sp_grads
         self.params_dtype, self.parallel_mode = dtype, parallel_mode
         self.ub = self_ub
         divisor = self.tp_size if parallel_mode == "column" else 1
@@ -114,7 +119,7 @@ class Linear(GemmModule):
                                          add_bias=not self.return_bias, par=par)
         if not self.return_bias:
             return out
-        if par.gathers_grad:  # the caller adds it to its M/tp tokens: sum the grad over the ranks
+        if par.gathers_grad and self.allreduce_sp_grads:  # the caller adds it to its M/tp tokens: sum the grad
             bias = all_reduce_grad(bias, par.group)
         return out, None if bias is None else bias.to(dtype)
 
