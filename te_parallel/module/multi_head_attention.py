@@ -132,17 +132,20 @@ class MultiheadAttention(nn.Module):
         """[.., (h + 2g)/tp · d] -> q [.., h/tp, d], k, v [.., g/tp, d]."""
         h, g = self.core_attention.num_heads, self.core_attention.num_gqa_groups
         if self.interleaved:
-            grouped = mixed.reshape(*mixed.shape[:-1], g, h // g + 2, self.head_dim)
-            q = grouped[..., : h // g, :].reshape(*mixed.shape[:-1], h, self.head_dim)
-            return q, grouped[..., h // g, :], grouped[..., h // g + 1, :]
+            # one split, not three slices: its backward is one concatenation, where a slice's backward
+            # zero-fills a gradient the size of `mixed` and the three are summed (3 fills + 2 adds)
+            grouped = mixed.reshape(*mixed.shape[:-1], g, h // g + 2, self.head_dim)  # [.., g, h/g + 2, d]
+            q, k, v = grouped.split([h // g, 1, 1], dim=-2)
+            return q.reshape(*mixed.shape[:-1], h, self.head_dim), k.squeeze(-2), v.squeeze(-2)
         q, k, v = mixed.split([h * self.head_dim, g * self.head_dim, g * self.head_dim], dim=-1)
         return self._heads(q, h), self._heads(k, g), self._heads(v, g)
 
     def _split_kv(self, mixed: torch.Tensor):
         g = self.core_attention.num_gqa_groups
         if self.interleaved:
-            grouped = mixed.reshape(*mixed.shape[:-1], g, 2, self.head_dim)
-            return grouped[..., 0, :], grouped[..., 1, :]
+            grouped = mixed.reshape(*mixed.shape[:-1], g, 2, self.head_dim)  # [.., g, 2, d]
+            k, v = grouped.split([1, 1], dim=-2)  # (one concatenation in backward, as _split_qkv)
+            return k.squeeze(-2), v.squeeze(-2)
         k, v = mixed.chunk(2, dim=-1)
         return self._heads(k, g), self._heads(v, g)
 
