@@ -70,11 +70,17 @@ def _returned_bias_grads(rank, world, device):
     assert torch.equal(got[False].cpu(), local), got[False]
     assert torch.equal(got[True].cpu(), local * world), got[True]
     assert getattr(m.bias, "sequence_parallel", False)  # the marker a caller reduces by
+    for reduce in (True, False):  # the same with the bias added inside the layer (return_bias=False)
+        torch.manual_seed(0)
+        m = te.Linear(32, 16, parallel_mode="row", sequence_parallel=True, tp_group=group,
+                      allreduce_sp_grads=reduce, device=device)
+        m(torch.randn(8, 2, 32 // world, device=device)).sum().backward()
+        assert torch.equal(m.bias.grad.cpu(), local * world if reduce else local), (reduce, m.bias.grad)
 
 
 def test_linear_allreduce_sp_grads_controls_the_returned_bias():
-    """Row-parallel, sequence-parallel, return_bias: the bias gradient is summed over the TP group here
-    (te_parallel's default) or left partial and marked for the caller (False, TE's behaviour)."""
+    """Row-parallel, sequence-parallel, the bias returned or added inside: its gradient is summed over the
+    TP group here (te_parallel's default) or left partial and marked for the caller (False, TE's behaviour)."""
     from tests.distributed.harness import spawn
 
     spawn(_returned_bias_grads, 2)

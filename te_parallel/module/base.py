@@ -212,17 +212,18 @@ class GemmModule(FP8Module, TensorParallelMixin):
         if not self._tp_checked:
             self._check_tp_ready(inp.device)
         fp8_gather = getattr(self, "fp8_all_gather", True)
+        sum_bias = getattr(self, "allreduce_sp_grads", True)
         # The same settings give the same (frozen) LinearParallel: made once, not per call.
-        key = (mode, self.tp_group, self.sequence_parallel, fp8_gather, ub)
+        key = (mode, self.tp_group, self.sequence_parallel, fp8_gather, ub, sum_bias)
         cache = self.__dict__.setdefault("_par_cache", {})
         par = cache.get(key)
         if par is None:
             if ub is None:
-                par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather)
+                par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, sum_sp_bias_grad=sum_bias)
             else:
                 ub.comm.check_group(type(self).__name__, self.tp_group)
                 par = LinearParallel(mode, self.tp_group, self.sequence_parallel, fp8_gather, ub.comm, ub.fprop,
-                                     ub.dgrad, ub.rs_dgrad)
+                                     ub.dgrad, ub.rs_dgrad, sum_sp_bias_grad=sum_bias)
             if len(cache) > 8:  # a module whose group keeps changing: keep only the latest
                 cache.clear()
             cache[key] = par

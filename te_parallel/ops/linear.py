@@ -59,6 +59,10 @@ class LinearParallel:
     ub_fprop: Optional[object] = None  # column: AG+GEMM ring; row: GEMM+RS by destination chunk
     ub_dgrad: Optional[object] = None  # row: AG(dy)+dgrad ring; column: AG(x) under dgrad, RS(dx) under wgrad
     ub_rs_dgrad: bool = False  # column, with ub_dgrad: RS(dx) pipelined with dgrad instead (ub_overlap_rs_dgrad)
+    # row + SP: the bias added after the reduce-scatter sees this rank's M/tp tokens, so its gradient is
+    # partial; True sums it over the group here, False leaves it to the caller (TE: Megatron's gradient
+    # finalisation reduces parameters marked sequence_parallel)
+    sum_sp_bias_grad: bool = True
     # whether the layer is split at all, decided once: the properties below are read several times per GEMM
     active: bool = field(init=False, repr=False, compare=False)
 
@@ -233,7 +237,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
             fp8.record_amax(dy2d, backward=True)
         dy = dy2d
         dbias = dy2d.sum(0) if need_dbias else None
-    if dbias is not None and par.gathers_grad:  # each rank summed its own M/tp tokens
+    if dbias is not None and par.gathers_grad and par.sum_sp_bias_grad:  # each rank summed its own M/tp tokens
         all_reduce(dbias, par.group)
     if need_dx and dx_rows is None:
         _make_weight_transpose(s)
