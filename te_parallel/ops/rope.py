@@ -34,6 +34,8 @@ class _RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad.stride(-1) != 1:  # (the kernel reads rows of D contiguous elements)
+            grad = grad.contiguous()
         return _run(grad, ctx.angles, ctx.bshd, backward=True), None, None
 
 

@@ -73,3 +73,16 @@ def test_apply_rope_falls_back_when_freqs_need_grad():
     out = apply_rope(t, f, bshd=False)
     out.sum().backward()
     assert f.grad is not None
+
+
+def test_backward_takes_a_gradient_with_strided_last_dim():
+    """A gradient that arrives transposed in its last two dims (as from a permuted consumer) is made
+    contiguous for the kernel, not rejected."""
+    t = torch.randn(16, 2, 4, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    f = te.RotaryPositionEmbedding(32).cuda()(16)
+    out = apply_rope(t, f, bshd=False)
+    g = torch.randn(16, 2, 32, 4, device="cuda", dtype=torch.bfloat16).transpose(-1, -2)  # stride(-1) != 1
+    out.backward(g)
+    td = t.detach().double().requires_grad_()
+    apply_rope(td, f.double(), bshd=False).backward(g.double())  # (fp64 angles: the torch path)
+    assert ((t.grad.double() - td.grad).abs().max() / td.grad.abs().max()).item() < 1.6e-2
