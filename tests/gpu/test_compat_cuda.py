@@ -171,6 +171,18 @@ def _accelerate_model():
                                torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
 
 
+def _train_loop(model, backward, opt, x, y) -> list:
+    """STEPS optimizer steps on one fixed batch (the client's own backward); the losses."""
+    losses = []
+    for _ in range(STEPS):
+        loss = F.mse_loss(model(x), y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def run_accelerate(device: str, handler: str, tokens: int, monkeypatch) -> None:
     """Accelerator(mixed_precision="fp8") with a TE recipe handler prepares (converts nn.Linear /
     nn.LayerNorm to TE modules, wraps forward in torch.autocast(bf16) and fp8_autocast) and trains."""
@@ -204,13 +216,7 @@ def run_accelerate(device: str, handler: str, tokens: int, monkeypatch) -> None:
         before, spy = snapshot(mods), FP8GemmSpy(monkeypatch)
         spy.watch(mods)
         x, y = torch.randn(tokens, 32, device=acc.device), torch.randn(tokens, 16, device=acc.device)
-        losses = []
-        for _ in range(STEPS):
-            loss = F.mse_loss(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_loop(model, acc.backward, opt, x, y)
         assert_falls(losses, 0.5)
         assert_fp8_ran(mods, before, STEPS, spy, device, delayed=True)
         assert model[0].fp8  # TE's attribute: the last forward ran in FP8
@@ -260,13 +266,7 @@ def run_fabric(device: str, precision: str, monkeypatch) -> None:
     before, spy = snapshot(mods), FP8GemmSpy(monkeypatch)
     spy.watch(mods)
     x, y = torch.randn(8, 16, device=fabric.device), torch.randn(8, 16, device=fabric.device)
-    losses = []
-    for _ in range(STEPS):
-        loss = F.mse_loss(model(x), y)
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train_loop(model, fabric.backward, opt, x, y)
     assert_falls(losses, 0.5)
     assert_fp8_ran(mods, before, STEPS, spy, device, delayed=True)
     assert (8, 16, 16) in {shape for what, _, _, shape in spy.calls if what == "fprop"}  # the 8x16x16 GEMM in FP8
