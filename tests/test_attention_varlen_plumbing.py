@@ -9,7 +9,7 @@ import torch
 from te_parallel.ops import attention_dispatch as dispatch
 from te_parallel.ops import attention_varlen as vl
 from te_parallel.ops.attention import make_band
-from tests.attention_reference import padding_masked, ref_attention, ref_thd, te_mask
+from tests.attention_reference import padding_masked, ref_attention, ref_thd, te_mask, window
 from tests.reference import rel_err
 
 H, G, D = 4, 2, 8
@@ -25,13 +25,7 @@ def _stand_in(q, k, v, cu_q, cu_k, is_causal, scale, left, right):
         sq, skv = qs.shape[0], ks.shape[0]
         if sq == 0 or skv == 0:
             continue
-        p = torch.arange(sq).view(-1, 1) + skv - sq
-        j = torch.arange(skv).view(1, -1)
-        masked = torch.zeros(sq, skv, dtype=torch.bool)
-        if left >= 0:
-            masked |= j < p - left
-        if right >= 0:
-            masked |= j > p + right
+        masked = window(sq, skv, left, right)  # (bottom-right aligned, as flash's window)
         o = ref_attention(qs.unsqueeze(1), ks.unsqueeze(1), vs.unsqueeze(1), masked, scale)
         out[cq[i]:cq[i + 1]] = o.view(sq, q.shape[1], -1)
     return out

@@ -16,6 +16,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import FP8RecipeKwargs, TERecipeKwargs, convert_model, has_transformer_engine_layers  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
+from tests.compat.loop import train_steps  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -41,13 +42,7 @@ def test_accelerator_fp8_trains(handler, tokens):
     assert has_transformer_engine_layers(model)
     assert isinstance(model[0], te.Linear) and isinstance(model[2], te.LayerNorm)
     x, y = torch.randn(tokens, 32), torch.randn(tokens, 16)
-    losses = []
-    for _ in range(6):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        acc.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, acc.backward, opt, x, y, 6)
     assert losses[-1] < 0.8 * losses[0], losses
     assert model[0].fp8_state.updates()[0] == 6  # every step ran in FP8 (delayed scaling updated its scales)
     assert model[0].fp8 and model[0].fp8_meta["recipe"].amax_history_len == (16 if "amax_history_len" in handler.to_kwargs() else 1024)

@@ -13,6 +13,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision.transformer_engine import TransformerEnginePrecision  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
+from tests.compat.loop import train_steps  # noqa: E402
 
 
 def _net():
@@ -30,13 +31,7 @@ def test_fabric_trains(precision):
     assert isinstance(inner[0], te.Linear) and isinstance(inner[2], te.LayerNorm)
     assert "transformer_engine.pytorch" in inner[0].__module__  # Lightning's "already converted" test
     x, y = torch.randn(8, 32), torch.randn(8, 16)  # 8 tokens: TE's minimum step
-    losses = []
-    for _ in range(8):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, fabric.backward, opt, x, y, 8)
     assert losses[-1] < 0.8 * losses[0], losses
     assert inner[0].fp8_state.updates()[0] == 8
 
