@@ -30,6 +30,7 @@ import te_parallel as te  # noqa: E402
 from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda,  # noqa: E402
                     time_interleaved, training_step, transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
+from te_parallel.fp8.gemm_size import intensity  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
 
@@ -110,11 +111,6 @@ def sweep(json_path) -> None:
         print(f"{kind}: FP8 from intensity M*K*N/(M*K+K*N+M*N) >= {t:.0f}; at the measured sizes that picks FP8 where "
               f"it is slower {len(fp8_slower)}x (worst {min(fp8_slower, default=1):.3f}x) and bf16 where FP8 is "
               f"faster {len(bf16_slower)}x (worst {max(bf16_slower, default=1):.3f}x)")
-
-
-def intensity(m: int, k: int, n: int) -> float:
-    """FLOPs per element an FP8 GEMM step casts (x, W, dy): M·K·N / (M·K + K·N + M·N)."""
-    return m * k * n / (m * k + k * n + m * n)
 
 
 def break_even(rows, kind: str):

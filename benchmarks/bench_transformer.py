@@ -78,13 +78,16 @@ class TorchLlamaLayer(torch.nn.Module):
     def forward(self, x, rope):  # x [s, b, h]; rope [s, 1, 1, d] (angles)
         s, b, h = x.shape
         q, k, v = self.qkv(self.n1(x)).split([h, self.groups * self.d, self.groups * self.d], dim=-1)
-        q = _rotate(q.view(s, b, self.heads, self.d), rope).permute(1, 2, 0, 3)
-        k = _rotate(k.view(s, b, self.groups, self.d), rope).permute(1, 2, 0, 3)
-        v = v.view(s, b, self.groups, self.d).permute(1, 2, 0, 3)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).permute(2, 0, 1, 3).reshape(s, b, h)
+        q = _rotate(q.view(s, b, self.heads, self.d), rope)
+        k = _rotate(k.view(s, b, self.groups, self.d), rope)
+        a = self._attend(q, k, v.view(s, b, self.groups, self.d)).reshape(s, b, h)
         x = x + self.proj(a)
         gate, up = self.fc1(self.n2(x)).chunk(2, dim=-1)
         return x + self.fc2(F.silu(gate) * up)
+
+    def _attend(self, q, k, v):  # [s, b, heads | groups, d] -> [s, b, heads, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).permute(2, 0, 1, 3)
 
 
 def _rotate(t, rope):
@@ -115,18 +118,11 @@ class TorchPackedLlamaLayer(TorchLlamaLayer):
         super().__init__(*args)
         self.docs = list(docs)
 
-    def forward(self, x, rope):
-        t, _, h = x.shape
-        q, k, v = self.qkv(self.n1(x)).split([h, self.groups * self.d, self.groups * self.d], dim=-1)
-        q = _rotate(q.view(t, 1, self.heads, self.d), rope)[:, 0].transpose(0, 1)  # [heads, T, d]
-        k = _rotate(k.view(t, 1, self.groups, self.d), rope)[:, 0].transpose(0, 1)
-        v = v.view(t, self.groups, self.d).transpose(0, 1)
+    def _attend(self, q, k, v):  # [T, 1, heads | groups, d] -> [T, 1, heads, d], causal per document
+        q, k, v = (t[:, 0].transpose(0, 1) for t in (q, k, v))  # [heads | groups, T, d]
         outs = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
                 for qd, kd, vd in zip(q.split(self.docs, 1), k.split(self.docs, 1), v.split(self.docs, 1))]
-        a = torch.cat(outs, dim=1).transpose(0, 1).reshape(t, 1, h)
-        x = x + self.proj(a)
-        gate, up = self.fc1(self.n2(x)).chunk(2, dim=-1)
-        return x + self.fc2(F.silu(gate) * up)
+        return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(1)
 
 
 def packed_rows(a, dt) -> dict:

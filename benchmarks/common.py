@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -73,6 +74,21 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp
     `step.drop_fp8_weights()` drops the FP8 weight copies alone."""
     import te_parallel as te
 
+    droppers = [m.drop_fp8_weight_cache for m in module.modules() if hasattr(m, "drop_fp8_weight_cache")]
+
+    def drop_fp8_weights():  # (the list is made once: walking the modules is the harness's cost, not the step's)
+        for drop in droppers:
+            drop()
+
+    region = functools.partial(te.fp8_autocast, enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
+    step = _fwd_bwd_step(module, x, dy, region, drop_fp8_weights if fp8_recipe is not None else None, forward_kwargs)
+    step.drop_fp8_weights = drop_fp8_weights
+    return step
+
+
+def _fwd_bwd_step(module, x, dy, region, before, forward_kwargs) -> Callable[[], None]:
+    """The step of training_step / te_training_step: clear the gradients, call `before` (if any), run the
+    forward inside region() and the backward; with .clear_grads and .params."""
     params = list(module.parameters())
 
     def clear_grads():
@@ -80,23 +96,15 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp
         for p in params:
             p.grad = None
 
-    droppers = [m.drop_fp8_weight_cache for m in module.modules() if hasattr(m, "drop_fp8_weight_cache")]
-
-    def drop_fp8_weights():  # (the list is made once: walking the modules is the harness's cost, not the step's)
-        for drop in droppers:
-            drop()
-
     def step():
         clear_grads()
-        if fp8_recipe is not None:
-            drop_fp8_weights()
-        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+        if before is not None:
+            before()
+        with region():
             y = module(x, **forward_kwargs)
         y.backward(dy)
 
-    step.clear_grads = clear_grads
-    step.drop_fp8_weights = drop_fp8_weights
-    step.params = params
+    step.clear_grads, step.params = clear_grads, params
     return step
 
 
@@ -191,20 +199,6 @@ def te_training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
                      **forward_kwargs) -> Callable[[], None]:
     """training_step for a TE module: `kind` None (bf16), "delayed" or "current". TE recasts its weights
     on every forward without is_first_microbatch, as te_parallel's step does after dropping its copies."""
-    te_peer = transformer_engine()
     rec = te_recipe(kind) if kind else None
-    params = list(module.parameters())
-
-    def clear_grads():
-        x.grad = None
-        for p in params:
-            p.grad = None
-
-    def step():
-        clear_grads()
-        with te_peer.fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
-            y = module(x, **forward_kwargs)
-        y.backward(dy)
-
-    step.clear_grads, step.params = clear_grads, params
-    return step
+    region = functools.partial(transformer_engine().fp8_autocast, enabled=rec is not None, fp8_recipe=rec)
+    return _fwd_bwd_step(module, x, dy, region, None, forward_kwargs)

@@ -204,7 +204,7 @@ def attention_reference(q, k, v, mask: Optional[torch.Tensor], scale: float, dro
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
     if is_causal:
         sq, skv = scores.shape[-2:]
-        mask = _or(mask, torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(1))
+        mask = mask_union(mask, torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(1))
     empty = None
     if mask is not None:
         # finite fill: an all-masked row then softmaxes to a uniform row, which is zeroed below
@@ -219,8 +219,11 @@ def attention_reference(q, k, v, mask: Optional[torch.Tensor], scale: float, dro
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def _or(a: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else a | b
+def mask_union(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """a | b of two boolean masks (True = masked out), either of which may be None (nothing masked)."""
+    if a is None:
+        return b
+    return a if b is None else a | b
 
 
 def dense_attention(q, k, v, mask: Optional[torch.Tensor], is_causal: bool, backend: str, scale: float,

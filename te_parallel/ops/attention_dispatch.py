@@ -18,7 +18,7 @@ import torch
 from te_parallel.ops import attention_cudnn_fe as cudnn_fe
 from te_parallel.ops import attention_varlen as vl
 from te_parallel.ops.attention import (
-    DENSE_BACKENDS, Band, band_mask, choose_backend, dense_attention, fallback_of, make_case,
+    DENSE_BACKENDS, Band, band_mask, choose_backend, dense_attention, fallback_of, make_case, mask_union,
     unsupported_reason, warn_once,
 )
 
@@ -122,7 +122,7 @@ def _run_dense(call: Call, batch: Batch, backend: str) -> torch.Tensor:
     elif call.band.causal_only and sq == skv and mask is None:
         is_causal = True  # SDPA's flag (top-left; the same as bottom-right here)
     else:
-        mask = _or(mask, band_mask(call.band, None, None, sq, skv, q.device))
+        mask = mask_union(mask, band_mask(call.band, None, None, sq, skv, q.device))
     out = dense_attention(q, k, v, mask, is_causal, backend, call.scale, call.dropout_p)
     return _merge_heads(out, call.fmt)
 
@@ -132,13 +132,7 @@ def _padding_mask(valid_q, valid_kv, band: Band, len_q, len_kv) -> torch.Tensor:
     b, sq = valid_q.shape
     skv = valid_kv.shape[1]
     mask = ~valid_kv.view(b, 1, 1, skv) | ~valid_q.view(b, 1, sq, 1)
-    return _or(mask, band_mask(band, len_q, len_kv, sq, skv, valid_q.device))
-
-
-def _or(a, b):
-    if a is None:
-        return b
-    return a if b is None else a | b
+    return mask_union(mask, band_mask(band, len_q, len_kv, sq, skv, valid_q.device))
 
 
 def _run_dense_packed(call: Call, batch: Batch, backend: str) -> torch.Tensor:
