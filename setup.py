@@ -1,9 +1,16 @@
 """Build of te_parallel's native extension, te_parallel._C (metadata lives in pyproject.toml).
 
-The extension needs no torch at build time: kernels take raw device pointers (csrc/include), and the
-pybind11 binding passes them as integers. So the build is nvcc + the host C++ compiler + pybind11,
-and cudart is linked statically: `import te_parallel._C` then works on machines without a GPU or a
-libcudart.so (CPU CI), and never depends on which CUDA runtime torch ships.
+The kernels need no torch at build time: they take raw device pointers (csrc/include), and the
+pybind11 binding passes them as integers. So the core of the build is nvcc + the host C++ compiler +
+pybind11, and cudart is linked statically: `import te_parallel._C` then works on machines without a
+GPU or a libcudart.so (CPU CI), and never depends on which CUDA runtime torch ships.
+
+torch custom ops (csrc/torch_ops: the C++ host path and what torch.compile traces) are compiled into
+the same extension when torch's headers are found: in the build environment, or in the environment
+being installed into (so `pip install -e .` with build isolation finds the torch installed before it).
+They use only torch's stable C++ ABI and target torch 2.11 (TORCH_TARGET_VERSION), so one build runs
+on torch 2.11 and every later version. Without torch at build time they are left out (one line says
+so) and te_parallel calls the kernels through the pybind11 binding alone.
 
 Without nvcc (or with TE_PARALLEL_SKIP_NATIVE=1) no extension is built; te_parallel then runs on its
 pure-PyTorch fallbacks (te_parallel/native/__init__.py warns once at run time).
@@ -40,7 +47,8 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
-DEFAULT_ARCHS = "89;90;100"  # Ada (first FP8 GPUs), Hopper, Blackwell; all accepted by nvcc 13.0
+DEFAULT_ARCHS = "89;90;100"
+TORCH_TARGET = "0x020b000000000000"  # torch 2.11: the oldest torch whose stable ABI the ops may use  # Ada (first FP8 GPUs), Hopper, Blackwell; all accepted by nvcc 13.0
 _ARCH_RE = re.compile(r"^(\d{2,3})([af]?)$")
 
 
@@ -65,6 +73,22 @@ def native_skip_reason() -> str | None:
     if find_nvcc() is None:
         return ("te_parallel: nvcc not found; installing the pure-PyTorch package without native "
                 "kernels")
+    return None
+
+
+def torch_dirs() -> tuple[Path, Path] | None:
+    """(include dir, lib dir) of a torch whose stable C++ ABI headers exist: the build environment's, else
+    the one in the site-packages of the environment being installed into (an isolated pip build keeps
+    sys.prefix but hides that environment's packages from sys.path). None if there is none."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    paths = sysconfig.get_paths()
+    roots += [Path(paths[key]) / "torch" for key in ("purelib", "platlib")]
+    for root in roots:
+        if (root / "include" / "torch" / "csrc" / "stable" / "library.h").is_file() and (root / "lib").is_dir():
+            return root / "include", root / "lib"
     return None
 
 
@@ -147,7 +171,14 @@ class NvccBuildExt(build_ext):
         sources = [ROOT / s for s in ext.sources]
         notice(build_notice(archs, sum(s.suffix == ".cu" for s in sources), max_jobs()))
         jobs = [self._nvcc_job(nvcc, cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cu"]
-        jobs += [self._cxx_job(cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cpp"]
+        torch = torch_dirs()
+        ops = [s for s in sources if s.parent.name == "torch_ops"]
+        if ops and torch is None:
+            notice("te_parallel: torch's headers were not found at build time; building without the torch custom "
+                   "ops (C++ host path). Install torch first, then te_parallel, to get them")
+        jobs += [self._cxx_job(cxx, archs, s, obj_dir) for s in sources if s.suffix == ".cpp" and s not in ops]
+        if torch is not None:
+            jobs += [self._torch_job(cxx, s, obj_dir, torch[0]) for s in ops]
         with ThreadPoolExecutor(max_workers=max_jobs()) as pool:
             list(pool.map(run_command, [cmd for cmd, _ in jobs]))  # list(): re-raise failures
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
@@ -157,6 +188,8 @@ class NvccBuildExt(build_ext):
         # interpose with (or get interposed by) the libcudart.so that torch loads globally.
         link = [nvcc, "-shared", "-cudart", "static", "-o", str(out), *[str(o) for _, o in jobs],
                 "-Xlinker", "--exclude-libs,ALL"]
+        if torch is not None and ops:  # the stable ABI's C shim lives in libtorch_cpu (already loaded with torch)
+            link += [f"-L{torch[1]}", "-ltorch_cpu", "-lc10", "-Xlinker", f"-rpath,{torch[1]}"]
         if "CXX" in os.environ:
             link[1:1] = ["-ccbin", cxx[0]]
         run_command(link)
@@ -186,6 +219,14 @@ class NvccBuildExt(build_ext):
         return cmd, obj
 
 
+    @staticmethod
+    def _torch_job(cxx, src: Path, obj_dir: Path, torch_include: Path):
+        obj = obj_dir / (src.relative_to(CSRC).as_posix().replace("/", "_") + ".o")
+        cmd = [*cxx, "-c", str(src), "-o", str(obj), "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden",
+               f"-DTORCH_TARGET_VERSION={TORCH_TARGET}", f"-I{CSRC / 'include'}", f"-I{torch_include}"]
+        return cmd, obj
+
+
 class NoticeBuildPy(build_py):
     """Prints the one line that says the native kernels are skipped (build_py runs once per build,
     editable or not; setup.py itself is run several times by pip)."""
@@ -198,13 +239,13 @@ class NoticeBuildPy(build_py):
 
 
 def native_extension() -> Extension:
-    """te_parallel._C from every csrc/**/*.cu plus the binding. Paths are relative to the project
+    """te_parallel._C from every csrc/**/*.cu plus the binding and the torch ops. Paths are relative to the project
     root (as setuptools wants them), which also puts sources and headers into an sdist."""
 
     def rel(pattern: str) -> list[str]:
         return sorted(p.relative_to(ROOT).as_posix() for p in CSRC.glob(pattern))
 
-    sources = rel("**/*.cu") + rel("bindings/*.cpp")
+    sources = rel("**/*.cu") + rel("bindings/*.cpp") + rel("torch_ops/*.cpp")
     return Extension("te_parallel._C", sources=sources, depends=rel("**/*.h") + rel("**/*.cuh"))
 
 

@@ -167,6 +167,8 @@ def cat_params(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return parts[0]
     if isinstance(parts[0], Float8Weight):  # FP8 weights: one FP8 tensor (te_parallel/ops/fp8_weight.py)
         return cat_fp8_weights(parts)
+    if torch.compiler.is_compiling():  # storage identity cannot be traced; the compiled graph concatenates
+        return torch.cat(parts)
     return _NoopCat.apply(*parts)
 
 

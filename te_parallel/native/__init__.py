@@ -58,6 +58,9 @@ def load() -> ModuleType | None:
             warnings.warn(_absent_message(err), NativeKernelsAbsentWarning, stacklevel=2)
         else:
             _module = module
+            from te_parallel.native import torch_ops  # the ops' fake and CPU kernels, before any trace
+
+            torch_ops.usable()
     return _module
 
 

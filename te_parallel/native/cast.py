@@ -18,8 +18,9 @@ __all__ = ["usable", "cast_transpose_amax", "transpose_fp8"]
 def usable(x: torch.Tensor) -> bool:
     """True if the cast kernels take x: a contiguous non-empty CUDA tensor of a dtype they read (high
     precision for cast_transpose_amax, FP8 for transpose_fp8) and the extension is loaded (DTYPES is
-    empty without it)."""
-    return x.is_cuda and x.numel() > 0 and x.is_contiguous() and x.dtype in DTYPES
+    empty without it); not while torch.compile traces (the torch path is traced instead, bit-identical)."""
+    return (x.is_cuda and x.numel() > 0 and x.is_contiguous() and x.dtype in DTYPES
+            and not torch.compiler.is_compiling())
 
 
 def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,

@@ -21,7 +21,10 @@ _usable: dict = {}
 
 def usable() -> bool:
     """True if the native GEMM can run here: the extension is built, there is a GPU and cuBLASLt opens
-    (asked once; unavailable_reason() says why not)."""
+    (asked once; unavailable_reason() says why not); not while torch.compile traces (the same cuBLASLt
+    call is then made by the torch op te_parallel::fp8_gemm, which it traces as one node)."""
+    if torch.compiler.is_compiling():
+        return False
     ok = _usable.get("usable")
     if ok is None:
         module = load()

@@ -11,8 +11,9 @@ __all__ = ["usable", "rope"]
 
 def usable(x: torch.Tensor, freqs: torch.Tensor) -> bool:
     """True if the kernel takes x [S, B, H, D] (last dim contiguous, fp32/fp16/bf16 on CUDA) and angles
-    freqs [S, rot] (fp32, last dim contiguous, on x's device), with the extension loaded."""
-    return (x.is_cuda and x.dim() == 4 and x.numel() > 0 and x.stride(-1) == 1 and x.dtype in DTYPES
+    freqs [S, rot] (fp32, last dim contiguous, on x's device), with the extension loaded; not while
+    torch.compile traces (it cannot trace into the extension)."""
+    return (not torch.compiler.is_compiling() and x.is_cuda and x.dim() == 4 and x.numel() > 0 and x.stride(-1) == 1 and x.dtype in DTYPES
             and x.dtype in HIGH_PRECISION_DTYPES and freqs.dim() == 2 and freqs.dtype is torch.float32
             and freqs.device == x.device and freqs.stride(-1) == 1 and freqs.shape[0] == x.shape[0]
             and 2 <= freqs.shape[1] <= x.shape[3] and freqs.shape[1] % 2 == 0)

@@ -17,8 +17,9 @@ __all__ = ["usable", "fused_delayed_scaling_update", "current_usable", "current_
 
 def usable(states: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
     """True if the kernel updates these states: they are on CUDA (the first amax history says so) and the
-    extension is loaded. A state the kernel cannot take is then an error, not a fallback."""
-    return bool(states) and states[0][0].is_cuda and bool(AMAX_ALGOS)
+    extension is loaded. A state the kernel cannot take is then an error, not a fallback. Not while
+    torch.compile traces (it cannot trace into the extension)."""
+    return bool(states) and states[0][0].is_cuda and bool(AMAX_ALGOS) and not torch.compiler.is_compiling()
 
 
 def _state_tuple(state: Sequence[object], device_index: int) -> Tuple[int, ...] | None:
@@ -106,8 +107,10 @@ def fused_delayed_scaling_update(
 
 def current_usable(t: torch.Tensor) -> bool:
     """True if the current-scaling kernels take t: a non-empty contiguous CUDA tensor of a high-precision
-    dtype (an x) or fp32 (an amax), with the extension loaded (DTYPES is empty without it)."""
-    return t.is_cuda and t.numel() > 0 and t.is_contiguous() and t.dtype in HIGH_PRECISION_DTYPES and bool(DTYPES)
+    dtype (an x) or fp32 (an amax), with the extension loaded (DTYPES is empty without it); not while
+    torch.compile traces (it cannot trace into the extension)."""
+    return (t.is_cuda and t.numel() > 0 and t.is_contiguous() and t.dtype in HIGH_PRECISION_DTYPES and bool(DTYPES)
+            and not torch.compiler.is_compiling())
 
 
 def current_scale_of(x: torch.Tensor, fp8_max: float, amax_only: bool = False) -> torch.Tensor:

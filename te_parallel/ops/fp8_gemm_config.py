@@ -17,6 +17,7 @@ from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import activation as native_act
+from te_parallel.native import torch_ops as native_ops
 from te_parallel.ops import activation as _act
 from te_parallel.ops.cast import amax_of, quantize, quantize_current
 from te_parallel.recipe import Recipe, fp8_max
@@ -136,6 +137,22 @@ class GemmFP8:
     def cast_input(self, x: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
         return self._cast(x, self._slot(False), backward=False, transpose=transpose, amax_group=amax_group)
 
+    def fused_fprop(self, x: torch.Tensor, bias: Optional[torch.Tensor], transpose: bool):
+        """(y, x as cast) of y = x·Wᵀ (+ bias) with x cast as this GEMM's input, in one native call
+        (te_parallel::linear_fp8_fwd) where it takes the case; None where it does not. One rank's operands
+        only: a current-scaling cast whose amax is reduced across ranks takes cast_input."""
+        w, mm = self.weight, self.recipe.fp8_gemm_fprop
+        if mm.backend != "native" or type(w) is not Float8Tensor or not native_ops.linear_usable(x, w.data, bias):
+            return None
+        if self.delayed:
+            scale, amax = self._delayed_scale(self._slot(False), False)
+        else:
+            scale = amax = None
+        y, data, data_t, scale_inv = native_ops.linear_fp8_fwd(
+            x, scale, amax, self.recipe.fp8_format.fwd_dtype, transpose, w.data, w.scale_inv, bias,
+            not mm.use_split_accumulator)
+        return y, Float8Tensor(data, scale_inv, data_t if transpose else None)
+
     def cast_grad(self, dy: torch.Tensor, transpose: bool, amax_group=None, dbias_out=None) -> Float8Tensor:
         q = self._cast(dy, self._slot(True), backward=True, transpose=transpose, amax_group=amax_group,
                        dbias_out=dbias_out)
@@ -190,7 +207,8 @@ class WeightSource:
         return self.weight.shape
 
     def with_transpose(self) -> Float8Tensor:
-        if self.weight._version != self.version:
+        # (a version counter is not traceable: under torch.compile the check is eager's alone)
+        if not torch.compiler.is_compiling() and self.weight._version != self.version:
             raise RuntimeError(
                 f"an FP8 weight of shape {tuple(self.weight.shape)} was modified in place between forward and "
                 f"backward (version {self.version} -> {self.weight._version}); update weights after backward")

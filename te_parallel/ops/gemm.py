@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from te_parallel.native import gemm as native_gemm
+from te_parallel.native import torch_ops as native_ops
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.recipe import MMParams
 
@@ -93,6 +94,12 @@ def fp8_mm(
         native_gemm.fp8_gemm(a, _scalar_f32(a_scale_inv), b.t(), _scalar_f32(b_scale_inv), out, accumulate,
                              bias if fuse_bias else None, fast_accum)
         return out if bias is None or fuse_bias else out.add_(bias.to(out_dtype))
+    if torch.compiler.is_compiling() and native_ops.usable():  # eager's cuBLASLt call, as one traced node
+        result = native_ops.fp8_gemm(a, _scalar_f32(a_scale_inv), b.t(), _scalar_f32(b_scale_inv), out_dtype,
+                                     bias if fuse_bias else None, accumulate, fast_accum)
+        if bias is not None and not fuse_bias:
+            result = result + bias.to(out_dtype)
+        return result if out is None else out.copy_(result)
     kwargs = {} if out is None else {"out": out}
     result = torch._scaled_mm(
         a,

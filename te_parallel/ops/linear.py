@@ -169,34 +169,17 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
     # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
     regather = gathers and (par.fp8_gather or fp8 is None or not fp8.compute or overlap)
-    if x_q is not None:
-        if gathers or fp8 is None or not fp8.compute:
-            raise ValueError("linear_fwd: a pre-quantized input needs an FP8 GEMM whose input is not gathered")
-        x_local, w_used = x_q, fp8.weight
+    fused = None
+    if x_q is None and fp8 is not None and fp8.compute and not (gathers or overlap or row) and (
+            fp8.delayed or not par.active):
+        # one rank's cast + GEMM in one native call (the host path of small layers); None where it cannot
+        fused = fp8.fused_fprop(x2d, bias, transpose=need_wgrad)
+    if fused is not None:
+        y2d, x_local = fused
+        w_used = fp8.weight
     else:
-        if gathers and not regather:
-            x2d = _gather(x2d, par.group)[0]
-        if fp8 is not None and fp8.compute:
-            # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward
-            x_local = fp8.cast_input(x2d, transpose=need_wgrad and not regather, amax_group=par.amax_group)
-            w_used = fp8.weight
-        else:
-            if fp8 is not None:
-                fp8.record_amax(x2d, backward=False)
-            x_local, w_used = x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
-    mm = _mm(fp8, "fp8_gemm_fprop")
-    if overlap and not row:  # column: gather ring under the GEMM
-        fp = lambda a, out: ov.fprop_into(a, w_used, bias, out, mm=mm)  # noqa: E731
-        y2d = ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias,
-                         mm=mm, cfg=par.ub_fprop)[0]
-    elif overlap:  # row: reduce-scatter by destination chunk under the GEMM
-        fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc, mm=mm)  # noqa: E731
-        y2d = ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, par.ub_fprop, w=w_used, mm=mm)
-    else:
-        x_used = _gather(x_local, par.group)[0] if regather else x_local
-        y2d = _fprop(x_used, w_used, None if row else bias, act_dtype, fp8)
-        if row:
-            y2d = _reduce_output(y2d, par)
+        x_local, w_used = _fprop_operands(x2d, weight, fp8, par, act_dtype, x_q, need_wgrad, regather)
+        y2d = _fprop_on_ranks(x_local, w_used, bias, fp8, par, act_dtype, out_features, row, regather)
     if row and bias is not None:
         y2d = y2d + bias.to(act_dtype)
     s = LinearSaved()
@@ -209,6 +192,40 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
         keep = regather or not isinstance(x_local, Float8Tensor)
         s.x_saved = x_local if keep else _only_transposed(x_local)
     return y2d, s
+
+
+def _fprop_operands(x2d, weight, fp8, par: LinearParallel, act_dtype, x_q, need_wgrad: bool, regather: bool):
+    """(x as the GEMM takes it on this rank, W as it takes it): FP8 (cast here, or x_q as given) or high
+    precision; x gathered first when the high-precision input is gathered."""
+    if x_q is not None:
+        if par.gathers_input or fp8 is None or not fp8.compute:
+            raise ValueError("linear_fwd: a pre-quantized input needs an FP8 GEMM whose input is not gathered")
+        return x_q, fp8.weight
+    if par.gathers_input and not regather:
+        x2d = _gather(x2d, par.group)[0]
+    if fp8 is not None and fp8.compute:
+        # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward
+        return fp8.cast_input(x2d, transpose=need_wgrad and not regather, amax_group=par.amax_group), fp8.weight
+    if fp8 is not None:
+        fp8.record_amax(x2d, backward=False)
+    return x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
+
+
+def _fprop_on_ranks(x_local, w_used, bias, fp8, par: LinearParallel, act_dtype, out_features: int, row: bool,
+                    regather: bool):
+    """y = x·Wᵀ (+ b, column-parallel / single rank) with this layer's collectives: the gather ring or
+    the reduce-scatter overlapped with the GEMM, or the plain gather / reduction around it."""
+    mm = _mm(fp8, "fp8_gemm_fprop")
+    if par.overlap_fprop and not row:  # column: gather ring under the GEMM
+        fp = lambda a, out: ov.fprop_into(a, w_used, bias, out, mm=mm)  # noqa: E731
+        return ov.ag_gemm(par.ub, x_local, fp, out_features, act_dtype, keep_gathered=False, w=w_used, bias=bias,
+                          mm=mm, cfg=par.ub_fprop)[0]
+    if par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
+        fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc, mm=mm)  # noqa: E731
+        return ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, par.ub_fprop, w=w_used, mm=mm)
+    x_used = _gather(x_local, par.group)[0] if regather else x_local
+    y2d = _fprop(x_used, w_used, None if row else bias, act_dtype, fp8)
+    return _reduce_output(y2d, par) if row else y2d
 
 
 def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need_dw: bool, need_dbias: bool,

@@ -1,0 +1,145 @@
+"""The torch custom ops' CUDA kernels (csrc/torch_ops) against their CPU kernels (the references, checked
+against fp64 in tests/test_torch_ops.py): the same FP8 bytes, scale_inv and amax bit for bit, the GEMM
+within fp32-accumulation error; torch.library.opcheck on CUDA; te.Linear's forward through the fused op,
+bit-identical to the separate cast and GEMM; the ops under CUDA-graph capture."""
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import recipe as R
+from te_parallel.native import torch_ops
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture
+def ops(device):
+    if not torch_ops.usable():
+        pytest.skip("te_parallel._C was built without the torch ops (torch's headers not found at build time)")
+    return device
+
+
+def _on(t, device):
+    return None if t is None else t.to(device)
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype in (E4M3, E5M2) else t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["delayed", "current", "delayed_no_amax", "t_only_e5m2"])
+@pytest.mark.parametrize("shape", [(64, 128), (17, 33), (1, 4096), (4096, 16)])
+def test_cast_equals_cpu_kernel(ops, dtype, mode, shape):
+    torch.manual_seed(hash((mode, shape)) % 2**31)
+    x = (torch.randn(*shape) * 10).to(dtype)
+    scale = None if mode == "current" else torch.tensor(3.7)
+    amax = None if mode == "delayed_no_amax" else torch.full((1,), 0.5)
+    fp8 = E5M2 if mode == "t_only_e5m2" else E4M3
+    rowwise = mode != "t_only_e5m2"
+    amax_gpu = _on(amax, "cuda")
+    got = torch_ops.cast_fp8(x.cuda(), _on(scale, "cuda"), amax_gpu, fp8, rowwise, True, mode == "delayed")
+    want = torch_ops.cast_fp8(x, scale, amax, fp8, rowwise, True, mode == "delayed")
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(_bytes(g).cpu(), _bytes(w))
+    if amax is not None:
+        assert torch.equal(amax_gpu.cpu(), amax)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mnk", [(16, 16, 16), (128, 256, 512), (2048, 768, 3072)])
+def test_gemm_close_to_cpu_kernel(ops, out_dtype, mnk):
+    m, n, k = mnk
+    a, b = (torch.randn(m, k) * 2).to(E4M3), (torch.randn(n, k) * 2).to(E5M2)
+    sa, sb = torch.tensor(0.5), torch.tensor(0.125)
+    bias = torch.randn(n, dtype=out_dtype) if out_dtype != torch.float32 else None
+    acc = torch.randn(m, n, dtype=out_dtype)
+    got = torch_ops.fp8_gemm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), out_dtype, _on(bias, "cuda"), acc.cuda())
+    want = torch_ops.fp8_gemm(a, sa, b, sb, out_dtype, bias, acc)
+    # both accumulate in fp32 (in different orders): |error| <= k·2⁻²⁴·Σ|a·b| bounds the sums, plus the
+    # output's rounding
+    terms = (a.double().abs() @ b.double().abs().t()) * (sa * sb).item()
+    bound = k * 2.0**-24 * terms + torch.finfo(out_dtype).eps * want.double().abs() + 1e-30
+    assert ((got.cpu().double() - want.double()).abs() <= 2 * bound).all()
+
+
+def test_opcheck_cuda(ops):
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(32, 128, device="cuda") * 2).to(E4M3)
+    one = torch.ones((), device="cuda")
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.te_parallel.cast_fp8.default, (x, one * 2, torch.zeros(1, device="cuda"), E4M3,
+                                                                     True, True, True))
+    torch.library.opcheck(torch.ops.te_parallel.fp8_gemm.default, (x.to(E4M3), one, w, one, torch.bfloat16, None, None,
+                                                                     False), test_utils=utils)
+    torch.library.opcheck(torch.ops.te_parallel.linear_fp8_fwd.default,
+                          (x, None, None, E4M3, True, w, one, torch.zeros(32, device="cuda", dtype=torch.bfloat16),
+                           True), test_utils=utils)
+
+
+def test_bad_cuda_input_is_one_line(ops):
+    x = torch.randn(64, 128, device="cuda").t()  # not contiguous
+    with pytest.raises(RuntimeError, match="te_parallel::cast_fp8: need a contiguous") as err:
+        torch_ops.cast_fp8(x, None, None, E4M3, True, False, False)
+    assert "\n" not in str(err.value).strip()
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_takes_fused_op_bit_identical(ops, recipe, bias, monkeypatch):
+    """te.Linear's FP8 forward goes through linear_fp8_fwd, and gives the bytes of the separate cast and
+    GEMM: outputs, input/weight gradients and the scaling state after three steps."""
+    torch.manual_seed(0)
+    mods = [te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16) for _ in range(2)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    calls = []
+    real = torch_ops.linear_fp8_fwd
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    results = []
+    for fused, m in zip((True, False), mods):
+        monkeypatch.setattr(torch_ops, "linear_fp8_fwd", spy)
+        if not fused:
+            monkeypatch.setattr(torch_ops, "linear_usable", lambda *a: False)
+        torch.manual_seed(1)
+        outs = []
+        for _ in range(3):
+            x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            with te.fp8_autocast(fp8_recipe=recipe):
+                y = m(x)
+            y.backward(torch.randn_like(y))
+            outs += [y.detach(), x.grad, m.weight.grad.clone()]
+            m.zero_grad(set_to_none=True)
+        outs += [b.clone() for b in m.fp8_state.buffers()]
+        results.append(outs)
+        monkeypatch.undo()
+    assert len(calls) == 3
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_ops_capture_in_cuda_graph(ops):
+    """The ops allocate from torch's caching allocator on the current stream: capturable, and a replay
+    recomputes with the inputs' new values."""
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(32, 128, device="cuda") * 2).to(E4M3)
+    scale, amax, one = torch.full((), 4.0, device="cuda"), torch.zeros(1, device="cuda"), torch.ones((), device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.te_parallel.linear_fp8_fwd(x, scale, amax, E4M3, True, w, one, None, False)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.te_parallel.linear_fp8_fwd(x, scale, amax, E4M3, True, w, one, None, False)[0]
+    x.copy_(torch.randn_like(x) * 3)
+    amax.zero_()
+    graph.replay()
+    want_amax = torch.zeros(1, device="cuda")
+    want = torch_ops.linear_fp8_fwd(x, scale, want_amax, E4M3, True, w, one, None, False)[0]
+    torch.cuda.synchronize()
+    assert torch.equal(y, want) and torch.equal(amax, want_amax)
