@@ -1,6 +1,11 @@
-"""Host overhead of one small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime).
+"""Host overhead of a small Linear forward, or of a transformer layer's training step beside its GPU time.
+
+One small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime); or one training step of a
+whole transformer layer: te_parallel vs plain PyTorch vs NVIDIA TE (--layer).
 
     python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--floor] [--profile] [--json out.json]
+    python benchmarks/bench_host.py --layer llama|gpt [--tokens 512,1024,2048,4096] [--recipe delayed|current|bf16]
+        [--calls 1] [--rounds 9] [--json out.json]
 
 Microseconds of host time per forward call, for `calls` calls issued back to back while the GPU is
 held busy by a sleep kernel, so the host never waits for the GPU and what is timed is only the work
@@ -14,6 +19,22 @@ GEMM this small in bf16.
 an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least (JSON:
 <json stem>_floor.json).
 --profile prints the top functions of the FP8 training forward under cProfile.
+
+--layer: one training step of one transformer layer (bench_transformer's builders: llama is the
+Llama-3-8B layer, h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, RoPE; gpt the layer
+h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1), batch 1 and each of --tokens as the
+sequence: gradients cleared, forward (under fp8_autocast with --recipe delayed or current; te_parallel's
+FP8 weight copies dropped first, as after an optimizer step) and backward, for te_parallel, the plain
+PyTorch layer (bf16 + SDPA, whatever --recipe) and TE's TransformerLayer with the same config when
+transformer_engine is installed. Per step, milliseconds:
+  host_ms  the host's time to issue the step, queued behind a GPU sleep (the host never waits);
+  gpu_ms   the GPU's time to run the step's kernels, from CUDA events around the same queued step: the
+           kernels run back to back, with no gap waiting for the host (they start after the sleep, from
+           a light load, so at a power cap they may run a few percent faster than in a long loop);
+  step_ms  steps issued back to back as a training loop does (common.time_interleaved: every case in
+           each round, clocks settled), about the larger of host_ms and gpu_ms.
+host_ms and gpu_ms are medians over --rounds rounds (every case once per round, interleaved; --calls
+steps per sample); host_over_gpu above 1 marks a step bound by the host. Ratios to the torch row.
 """
 from __future__ import annotations
 
@@ -30,25 +51,37 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import OTHER_GEMM_LABEL, report, with_torch_gemm  # noqa: E402
+from common import (OTHER_GEMM_LABEL, Parser, report, te_training_step, time_interleaved,  # noqa: E402
+                    training_step, with_torch_gemm)
 from te_parallel import native, recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
 
-def issue_us(call, calls: int, region=contextlib.nullcontext) -> float:
-    """Host microseconds per call of `calls` calls issued behind a GPU sleep (so the host never waits)."""
-    torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time ahead of the calls
-    busy = torch.cuda.Event()
-    busy.record()
+SLEEP_CYCLES = int(2e8)  # ~0.1 s of GPU time ahead of the calls
+
+
+def issue_timed(call, calls: int, region=contextlib.nullcontext) -> tuple:
+    """(host us, GPU ms) per call of `calls` calls queued behind a GPU sleep: the host's time to issue them
+    (it never waits for the GPU), and the GPU's time to run what they launched, from an event after the
+    sleep to one after the last call (their kernels back to back, no gap waiting for the host)."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     t0 = time.perf_counter()
     with region():
         for _ in range(calls):
             call()
     dt = time.perf_counter() - t0
-    if busy.query():
+    end.record()
+    if start.query():
         print("warning: the GPU went idle while the host issued the calls; raise the sleep", file=sys.stderr)
     torch.cuda.synchronize()
-    return dt / calls * 1e6
+    return dt / calls * 1e6, start.elapsed_time(end) / calls
+
+
+def issue_us(call, calls: int, region=contextlib.nullcontext) -> float:
+    """Host microseconds per call of `calls` calls issued behind a GPU sleep (so the host never waits)."""
+    return issue_timed(call, calls, region)[0]
 
 
 def measure(cases, calls: int, rounds: int) -> dict:
@@ -123,17 +156,125 @@ def floor(m: int, k: int, n: int, a) -> None:
            None if a.json is None else os.path.splitext(a.json)[0] + "_floor.json")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="128x1024x1024")
-    ap.add_argument("--calls", type=int, default=20)
+def layer_steps(cfg, layers, tokens: int, kind, device="cuda") -> dict:
+    """{case: training step} of one layer on `tokens` tokens (batch 1): torch bf16, te_parallel and TE (when
+    built) in `kind` (None: bf16, "delayed", "current")."""
+    from bench_transformer import forward_kwargs, fp8_recipe
+
+    x = torch.randn(tokens, 1, cfg.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)  # [s, b, h]
+    dy = torch.randn_like(x)
+    fwd, base_fwd, peer_fwd = forward_kwargs(cfg, tokens, device, peer=layers.peer is not None)
+    label = "bf16" if kind is None else f"FP8 {kind}"
+    steps = {"torch bf16 + SDPA": training_step(layers.base, x, dy, **base_fwd),
+             f"te {label}": training_step(layers.te, x, dy, fp8_recipe(kind), **fwd)}
+    if layers.peer is not None:
+        steps[f"TE {label}"] = te_training_step(layers.peer, x, dy, kind, **peer_fwd)
+    return steps
+
+
+def time_steps(steps: dict, calls: int, rounds: int) -> dict:
+    """{case: (host ms, GPU ms, host min ms, GPU min ms, step ms)}: host and GPU time of steps queued behind
+    a sleep (issue_timed), `rounds` rounds with every case once each, starting one case further each round;
+    step ms back to back with clocks settled (common.time_interleaved)."""
+    for step in steps.values():
+        for _ in range(5):  # warm-up: allocator pools, lazy inits, attention plans, FP8 scales
+            step()
+    torch.cuda.synchronize()
+    names, samples = list(steps), {name: [] for name in steps}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            samples[name].append(issue_timed(steps[name], calls))
+    back_to_back = time_interleaved(steps, warmup=2, iters=10, rounds=5)
+    out = {}
+    for name, got in samples.items():
+        host, gpu = [h / 1e3 for h, _ in got], [g for _, g in got]
+        out[name] = (statistics.median(host), statistics.median(gpu), min(host), min(gpu), back_to_back[name])
+    return out
+
+
+def layer_mode(a) -> None:
+    """--layer: host, GPU and back-to-back time of one training step per token count."""
+    from bench_transformer import build_layers, model_config
+
+    cfg = model_config(a.layer)
+    layers = build_layers(cfg)
+    kind = None if a.recipe == "bf16" else a.recipe
+    rows = []
+    for tokens in a.tokens:
+        got = time_steps(layer_steps(cfg, layers, tokens, kind), a.calls, a.rounds)
+        base = got["torch bf16 + SDPA"]
+        for name, (host, gpu, host_min, gpu_min, step) in got.items():
+            rows.append({"tokens": tokens, "case": name, "host_ms": host, "gpu_ms": gpu, "step_ms": step,
+                         "host_over_gpu": host / gpu, "host_vs_torch": host / base[0], "gpu_vs_torch": gpu / base[1],
+                         "step_vs_torch": step / base[4], "host_min_ms": host_min, "gpu_min_ms": gpu_min})
+    shape = f"h{cfg.hidden} ffn{cfg.ffn} heads{cfg.heads}/{cfg.gqa}"
+    report(f"One training step of one {a.layer} layer ({shape}, batch 1, te {a.recipe}; ms per step: host issue and "
+           f"GPU time median of {a.rounds} rounds, step back to back)", rows,
+           ["tokens", "case", "host_ms", "gpu_ms", "step_ms", "host_over_gpu", "host_vs_torch", "gpu_vs_torch",
+            "step_vs_torch"], a.json)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: one-line errors before any work starts."""
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default=None, help="Linear: MxKxN (default: 128x1024x1024)")
+    ap.add_argument("--calls", type=int, default=None,
+                    help="calls (steps with --layer) per timed sample (default: 20; 1 with --layer)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--floor", action="store_true", help="also time the blocks of an FP8 forward alone")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--layer", choices=["llama", "gpt"], default=None,
+                    help="time one training step of this transformer layer instead of a Linear forward")
+    ap.add_argument("--tokens", default=None,
+                    help="--layer: token counts, comma-separated (default: 512,1024,2048,4096)")
+    ap.add_argument("--recipe", choices=["delayed", "current", "bf16"], default=None,
+                    help="--layer: te_parallel's and TE's precision (default: delayed)")
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.layer is None:
+        for flag, value in (("--tokens", a.tokens), ("--recipe", a.recipe)):
+            if value is not None:
+                ap.error(f"{flag} goes with --layer llama|gpt")
+        a.shape = a.shape or "128x1024x1024"
+        dims = a.shape.split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            ap.error(f"--shape {a.shape}: give MxKxN, three positive integers (128x1024x1024)")
+    else:
+        for flag, value in (("--shape", a.shape), ("--floor", a.floor), ("--profile", a.profile)):
+            if value:
+                ap.error(f"{flag} times the Linear; run it without --layer")
+        a.recipe = a.recipe or "delayed"
+        a.tokens = _token_counts(ap, a.tokens or "512,1024,2048,4096", a.recipe)
+    a.calls = a.calls if a.calls is not None else (20 if a.layer is None else 1)
+    for flag, value in (("--calls", a.calls), ("--rounds", a.rounds)):
+        if value < 1:
+            ap.error(f"{flag} {value}: at least 1")
+    return a
+
+
+def _token_counts(ap, text: str, recipe_name: str) -> list:
+    counts = text.split(",")
+    if not all(c.strip().isdigit() and int(c) > 0 for c in counts):
+        ap.error(f"--tokens {text}: give positive integers separated by commas (512,1024)")
+    counts = [int(c) for c in counts]
+    if recipe_name != "bf16" and any(c % 8 for c in counts):
+        ap.error(f"--tokens {text}: FP8 steps take multiples of 8 tokens (TE's FP8 GEMMs need them); "
+                 "use --recipe bf16 or round up")
+    return counts
+
+
+def main() -> None:
+    a = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_host needs a CUDA GPU")
+    if a.layer is not None:
+        return layer_mode(a)
+    linear_mode(a)
+
+
+def linear_mode(a) -> None:
+    """The Linear rows (and --floor, --profile)."""
     m, k, n = (int(v) for v in a.shape.split("x"))
     dt = torch.bfloat16
     x = torch.randn(m, k, device="cuda", dtype=dt, requires_grad=True)
@@ -196,6 +337,7 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"\ncProfile of 2000 FP8 delayed training forwards, native GEMM: {native_gemm}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
 
 if __name__ == "__main__":
     main()

@@ -1,19 +1,34 @@
-"""TransformerLayer fwd+bwd: plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (+ CUDA graph), and
-NVIDIA Transformer Engine's TransformerLayer beside them when it is installed.
+"""TransformerLayer fwd+bwd time and memory: plain PyTorch vs te_parallel (eager, compiled, CUDA graph) vs TE.
 
-    python benchmarks/bench_transformer.py [--model gpt|llama] [--hidden --ffn --heads --gqa --seq --batch] [--json out.json]
+Plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (eager; torch.compile and CUDA graph rows on
+request), and NVIDIA Transformer Engine's TransformerLayer beside them when it is installed.
+
+    python benchmarks/bench_transformer.py [--model gpt|llama] [--hidden --ffn --heads --gqa --seq --batch]
+        [--ablate] [--compile [--compile-warmup 5]] [--graph] [--packed] [--json out.json]
 
 --model gpt (default): the GPT layer h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1, s2048 b4.
 --model llama: the Llama-3-8B layer h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, no
 dropout, RoPE, s4096 b1. Any size flag overrides the model's.
 --packed (llama): 8 documents of 4096, 1024, 3072, 512, 2048, 1536, 2560 and 1536 tokens packed into one
 16384-token sequence (qkv_format "thd", cu_seqlens, causal within each document, RoPE positions restarting
-per document); the torch row runs SDPA once per document.
+per document); the torch row runs SDPA once per document. Eager rows only.
+--compile adds torch.compile(layer, dynamic=False) rows: the torch layer, and te_parallel FP8 delayed and
+current (each on its own copy of the layer), under fp8_autocast as the eager rows. Each compiled row first
+runs --compile-warmup untimed steps (the compilations); the JSON rows of the compiled cases hold those
+steps' seconds (compile_s), the dynamo graphs and graph breaks they made, recompiles_after_warmup (the
+dynamo graphs compiled by the row's later steps, torch._dynamo.utils.counters["stats"]["unique_graphs"];
+0 when the warm-up reached every path) and recompile_limit_hits (code objects that reached dynamo's
+recompile limit during the row's steps and run eager from then on; dynamo keeps one cache per code
+object, so a row can meet the limit that an earlier compiled row's entries filled), also printed as a
+second table.
+--graph adds te.make_graphed_callables rows, FP8 delayed (DelayedScaling interval 1) and FP8 current, each
+over its own copy of the layer: captured before the timing, replayed outside fp8_autocast, gradients
+cleared by setting them to None. A recipe make_graphed_callables refuses is left out with the reason printed.
+The compiled and graphed rows are timed in the same rounds as the others.
 
 "ms": steps issued back to back (a training loop), the median of 5 rounds that each time every row
-(common.time_interleaved; the CUDA graph row is timed after them); "ms_synced": each step started on an
-idle GPU.
-Same run, same GPU, bf16 parameters, dropout 0.1, causal attention.
+(common.time_interleaved); "ms_synced": each step started on an idle GPU.
+Same run, same GPU, bf16 parameters, dropout 0.1 (gpt), causal attention.
 Each step starts from cleared gradients (optimizer.zero_grad(set_to_none=True)), so no .grad
 accumulation is timed. Peak memory: torch.cuda.max_memory_allocated during one fwd+bwd from cleared
 gradients and no FP8 weight copies, minus the memory held before it: it counts activations, every FP8
@@ -33,13 +48,14 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda, time_cuda_stream,  # noqa: E402
+from common import (OTHER_GEMM_LABEL, Parser, report, te_training_step, time_cuda, time_cuda_stream,  # noqa: E402
                     time_interleaved, training_step, transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
@@ -139,9 +155,9 @@ def packed_rows(a, dt) -> dict:
     base = TorchPackedLlamaLayer(a.hidden, a.ffn, a.heads, a.gqa).to("cuda", dt)
     x3, dy3 = x.view(total, 1, a.hidden), dy.view(total, 1, a.hidden)
     steps = {"torch bf16 + SDPA per document": training_step(base, x3, dy3, rope=per_token)}
-    fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    for name, rec in (("te bf16", None), ("te FP8 delayed", fp8), ("te FP8 current", recipe.Float8CurrentScaling())):
-        steps[name] = training_step(layer, x, dy, rec, rotary_pos_emb=freqs, **seqs)
+    for kind in (None, "delayed", "current"):
+        steps[f"te {'bf16' if kind is None else 'FP8 ' + kind}"] = training_step(
+            layer, x, dy, fp8_recipe(kind), rotary_pos_emb=freqs, **seqs)
     te_peer = transformer_engine()
     if te_peer is not None:
         from transformer_engine.pytorch.attention import RotaryPositionEmbedding
@@ -157,13 +173,69 @@ MODELS = {"gpt": dict(hidden=4096, ffn=16384, heads=32, gqa=32, seq=2048, batch=
           "llama": dict(hidden=4096, ffn=14336, heads=32, gqa=8, seq=4096, batch=1)}
 
 
-def layer_kwargs(model: str, a) -> dict:
+def model_config(model: str, **sizes) -> argparse.Namespace:
+    """The model's sizes (MODELS) as the builders below take them, any of `sizes` given (not None) overriding."""
+    given = {k: v for k, v in sizes.items() if v is not None}
+    return argparse.Namespace(model=model, **dict(MODELS[model], **given))
+
+
+def layer_kwargs(model: str, a, device="cuda") -> dict:
     """TransformerLayer keywords (the same for te_parallel and TE) of the model."""
-    common = dict(params_dtype=torch.bfloat16, device="cuda", fuse_qkv_params=True)
+    common = dict(params_dtype=torch.bfloat16, device=device, fuse_qkv_params=True)
     if model == "gpt":
         return dict(common, hidden_dropout=0.1, attention_dropout=0.1)
     return dict(common, num_gqa_groups=a.gqa, normalization="RMSNorm", activation="swiglu", bias=False,
                 hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def fp8_recipe(kind: str | None):
+    """te_parallel's recipe of the benchmarks' name (None: bf16): "delayed" is HYBRID, history 16, max (as
+    common.te_recipe's TE recipe), "current" current scaling."""
+    if kind is None:
+        return None
+    if kind == "delayed":
+        return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    return recipe.Float8CurrentScaling()
+
+
+@dataclasses.dataclass
+class Layers:
+    """One layer of the model three ways, one config: te_parallel, plain PyTorch (the torch rows' baseline),
+    NVIDIA TE (None where it is not installed)."""
+
+    te: torch.nn.Module
+    base: torch.nn.Module
+    peer: torch.nn.Module | None
+
+
+def te_layer(a, device="cuda") -> torch.nn.Module:
+    """te_parallel's TransformerLayer of the model at a's sizes."""
+    return te.TransformerLayer(a.hidden, a.ffn, a.heads, **layer_kwargs(a.model, a, device))
+
+
+def build_layers(a, device="cuda", peer: bool = True) -> Layers:
+    """The model's te_parallel, torch and (when installed and `peer`) TE layers, bf16 parameters."""
+    if a.model == "llama":
+        base = TorchLlamaLayer(a.hidden, a.ffn, a.heads, a.gqa)
+    else:
+        base = TorchLayer(a.hidden, a.ffn, a.heads)
+    te_peer = transformer_engine() if peer else None
+    other = None if te_peer is None else te_peer.TransformerLayer(a.hidden, a.ffn, a.heads,
+                                                                   **layer_kwargs(a.model, a, device))
+    return Layers(te=te_layer(a, device), base=base.to(device, torch.bfloat16), peer=other)
+
+
+def forward_kwargs(a, seq: int, device="cuda", peer: bool = False) -> tuple:
+    """(te_parallel's, torch's, TE's) forward keywords for a sequence of `seq`: the RoPE angles of llama
+    ([seq, 1, 1, head dim]; TE's from its own RotaryPositionEmbedding when `peer`), none for gpt."""
+    if a.model != "llama":
+        return {}, {}, {}
+    freqs = te.RotaryPositionEmbedding(a.hidden // a.heads).to(device)(seq)
+    peer_fwd = {}
+    if peer:
+        from transformer_engine.pytorch.attention import RotaryPositionEmbedding
+        peer_fwd = {"rotary_pos_emb": RotaryPositionEmbedding(a.hidden // a.heads).to(device)(seq)}
+    return {"rotary_pos_emb": freqs}, {"rope": freqs}, peer_fwd
 
 
 def measure(name, step, rows, ms=None, base=None):
@@ -192,6 +264,11 @@ def under(what: str, layer, step):
     def run():
         with switched_off(what, layer):
             step()
+    return _helpers_of(step, run)
+
+
+def _helpers_of(step, run):
+    """`run` (a wrapper of `step`) given step's clear_grads, params and drop_fp8_weights helpers."""
     run.clear_grads, run.params = step.clear_grads, step.params
     if hasattr(step, "drop_fp8_weights"):
         run.drop_fp8_weights = step.drop_fp8_weights
@@ -218,85 +295,206 @@ def switched_off(what: str, layer):
         setattr(owner, name, saved)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def eager_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, peer_fwd: dict) -> dict:
+    """The rows every run has: torch, te_parallel bf16 / FP8 delayed / FP8 current, the other GEMM, TE's three
+    (when installed), and with --ablate one choice changed each."""
+    layer, fp8 = layers.te, fp8_recipe("delayed")
+    steps = {"torch bf16 + SDPA": training_step(layers.base, x, dy, **base_fwd)}
+    for kind in (None, "delayed", "current"):
+        steps[f"te {'bf16' if kind is None else 'FP8 ' + kind}"] = training_step(layer, x, dy, fp8_recipe(kind), **fwd)
+    if gemm_kernels.usable():  # every FP8 GEMM through torch._scaled_mm instead of te_parallel's cuBLASLt call
+        steps[f"te FP8 delayed, {OTHER_GEMM_LABEL}"] = training_step(layer, x, dy, with_torch_gemm(fp8), **fwd)
+    for kind in (None, "delayed", "current") if layers.peer is not None else ():
+        steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(layers.peer, x, dy, kind,
+                                                                                      **peer_fwd)
+    if not a.ablate:
+        return steps
+    labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece"}
+    for what, label in labels.items():
+        steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8, **fwd))
+    fast = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=False))
+    steps["te FP8 delayed, fprop fast accumulation"] = training_step(layer, x, dy, fast, **fwd)
+    steps["te FP8 delayed, FP8 weights kept (is_first_microbatch=True)"] = \
+        training_step(layer, x, dy, fp8, is_first_microbatch=True, **fwd)
+    return steps
+
+
+def te_copy(a, layers: Layers, device="cuda") -> torch.nn.Module:
+    """A second te_parallel layer holding layers.te's state (taken before any step has run)."""
+    layer = te_layer(a, device)
+    layer.load_state_dict(layers.te.state_dict())
+    return layer
+
+
+def compiled_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, warmup: int, device="cuda",
+                   backend="inductor") -> tuple:
+    """--compile's rows: torch.compile(layer, dynamic=False) of the torch layer and of a te_parallel copy per
+    FP8 recipe (its own copy, so that no other row changes the state its compiled code was guarded on).
+    Each is warmed up here (`warmup` steps: the compilations), and afterwards counts the dynamo graphs it
+    compiles (recompilations). Returns (steps, {row: record}), a record holding warmup_steps, compile_s (the
+    warm-up's seconds), graphs and graph_breaks (made during the warm-up), recompiles_after_warmup and
+    recompile_limit_hits (code that dynamo stopped compiling and runs eager: over the warm-up and after), the
+    last two kept up to date as the step runs. A row whose compilation fails is left out, its reason printed."""
+    def compiled(module):
+        return torch.compile(module, dynamic=False, backend=backend)
+
+    made = {"torch bf16 + SDPA, torch.compile": training_step(compiled(layers.base), x, dy, **base_fwd)}
+    for kind in ("delayed", "current"):
+        made[f"te FP8 {kind}, torch.compile"] = training_step(compiled(te_copy(a, layers, device)), x, dy,
+                                                              fp8_recipe(kind), **fwd)
+    steps, records = {}, {}
+    for name, step in made.items():
+        before, t0 = dynamo_counts(), time.perf_counter()
+        try:
+            for _ in range(warmup):
+                step()
+            if device != "cpu":
+                torch.cuda.synchronize()
+        except Exception as e:  # a compiler's failure on this layer: the other rows still run
+            print(f"skipping row {name!r}: torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+            continue
+        made_now = {k: v - before[k] for k, v in dynamo_counts().items()}
+        records[name] = {"warmup_steps": warmup, "compile_s": time.perf_counter() - t0, "graphs": made_now["graphs"],
+                         "graph_breaks": made_now["graph_breaks"], "recompiles_after_warmup": 0,
+                         "recompile_limit_hits": made_now["recompile_limit_hits"]}
+        steps[name] = counting_recompiles(step, records[name])
+    return steps, records
+
+
+def dynamo_counts() -> dict:
+    """torch._dynamo's running totals: graphs compiled, graph breaks, and code objects that reached the
+    recompile limit (torch._dynamo.config.recompile_limit; dynamo runs them eager from then on). The limit's
+    entry is an "unimplemented" counter ("Dynamo recompile limit exceeded ...") in recent torch, a graph
+    break naming recompile_limit or cache_size_limit in older releases: the larger of the two counts."""
+    from torch._dynamo.utils import counters
+
+    def limit_hits(category):
+        return sum(n for msg, n in counters[category].items()
+                   if any(w in str(msg).lower() for w in ("recompile limit", "recompile_limit", "cache_size_limit")))
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "recompile_limit_hits": max(limit_hits("unimplemented"), limit_hits("graph_break"))}
+
+
+def counting_recompiles(step, record: dict):
+    """`step` adding the dynamo graphs it compiles to record["recompiles_after_warmup"], and the code objects
+    that reach the recompile limit to record["recompile_limit_hits"] (reading the counters costs tens of
+    microseconds of host time at most, against a step's milliseconds)."""
+    def run():
+        before = dynamo_counts()
+        step()
+        after = dynamo_counts()
+        record["recompiles_after_warmup"] += after["graphs"] - before["graphs"]
+        record["recompile_limit_hits"] += after["recompile_limit_hits"] - before["recompile_limit_hits"]
+    return _helpers_of(step, run)
+
+
+def graphed_steps(a, layers: Layers, x, dy, fwd: dict, device="cuda") -> dict:
+    """--graph's rows: te.make_graphed_callables(layer, fp8_enabled=True, fp8_recipe=...) over a te_parallel
+    copy per FP8 recipe (its own copy: a replay reads and writes the FP8 state tensors it captured, which no
+    eager row may replace under it), called outside fp8_autocast, gradients cleared by setting them to None.
+    A recipe make_graphed_callables refuses (or a capture that fails) is left out with its reason printed."""
+    steps = {}
+    for kind in ("delayed", "current"):
+        name, layer = f"te FP8 {kind}, CUDA graph", te_copy(a, layers, device)
+        try:
+            graphed = te.make_graphed_callables(WithKwargs(layer, fwd), (x,), fp8_enabled=True,
+                                                fp8_recipe=fp8_recipe(kind))
+        except (ValueError, RuntimeError) as e:  # a refused recipe, or a capture that failed: the other rows run
+            print(f"skipping row {name!r}: make_graphed_callables: {str(e).splitlines()[0]}")
+            continue
+        clear = training_step(layer, x, dy).clear_grads
+
+        def step(graphed=graphed, clear=clear):
+            clear()
+            graphed(x).backward(dy)
+        step.clear_grads, step.params = clear, list(layer.parameters())
+        steps[name] = step
+    return steps
+
+
+COLUMNS = ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked (one-line errors) and the model's sizes filled in."""
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt")
     for k in MODELS["gpt"]:
         ap.add_argument(f"--{k}", type=int, default=None, help="overrides the model's size")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ablate", action="store_true", help="add FP8 rows with one optimisation off each")
     ap.add_argument("--packed", action="store_true", help="llama: 8 packed documents in 16k tokens (thd)")
-    a = ap.parse_args()
+    ap.add_argument("--compile", action="store_true",
+                    help="add torch.compile rows: the torch layer, te_parallel FP8 delayed and current")
+    ap.add_argument("--compile-warmup", type=int, default=5,
+                    help="untimed steps of each compiled row before its recompilations are counted")
+    ap.add_argument("--graph", action="store_true",
+                    help="add te.make_graphed_callables rows (FP8 delayed and current), timed with the others")
+    a = ap.parse_args(argv)
+    if a.model == "gpt" and a.gqa is not None:
+        ap.error(f"--gqa {a.gqa}: the gpt layer has no KV groups (--gqa goes with --model llama)")
     for k, v in MODELS[a.model].items():
-        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
+        given = getattr(a, k)
+        if given is not None and given < 1:
+            ap.error(f"--{k} {given}: sizes are positive")
+        setattr(a, k, v if given is None else given)
+    a.gqa = a.heads if a.model == "gpt" else a.gqa
+    if a.hidden % a.heads:
+        ap.error(f"--heads {a.heads}: must divide --hidden {a.hidden}")
+    if a.heads % a.gqa:
+        ap.error(f"--gqa {a.gqa}: must divide --heads {a.heads}")
+    if a.packed and a.model != "llama":
+        ap.error(f"--packed takes --model llama, got --model {a.model}")
+    if a.packed and (a.compile or a.graph or a.ablate):
+        ap.error("--packed times the eager rows only; drop --compile, --graph and --ablate")
+    if a.compile_warmup < 1:
+        ap.error(f"--compile-warmup {a.compile_warmup}: at least one step (the compilation)")
+    return a
+
+
+def run_packed(a) -> None:
+    steps = packed_rows(a, torch.bfloat16)
+    times = time_interleaved(steps, warmup=5, iters=5, rounds=5)
+    rows, base = [], None
+    for name, step in steps.items():
+        got = measure(name, step, rows, times[name], base)
+        base = base or got
+    report(f"TransformerLayer fwd+bwd (llama, {len(DOCS)} packed documents, {sum(DOCS)} tokens, thd; ms per step "
+           "back to back)", rows, COLUMNS, a.json)
+
+
+def main() -> None:
+    a = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_transformer needs a CUDA GPU")
-    dt = torch.bfloat16
     if a.packed:
-        if a.model != "llama":
-            sys.exit(f"--packed takes --model llama, got --model {a.model}")
-        steps = packed_rows(a, dt)
-        times = time_interleaved(steps, warmup=5, iters=5, rounds=5)
-        rows, base = [], None
-        for name, step in steps.items():
-            got = measure(name, step, rows, times[name], base)
-            base = base or got
-        report(f"TransformerLayer fwd+bwd (llama, {len(DOCS)} packed documents, {sum(DOCS)} tokens, thd; ms per step "
-               "back to back)", rows, ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced",
-                                      "synced_speedup"], a.json)
-        return
-    x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=dt, requires_grad=True)
+        return run_packed(a)
+    x = torch.randn(a.seq, a.batch, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    kw = layer_kwargs(a.model, a)
-    layer = te.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
-    fwd = {}
-    if a.model == "llama":
-        fwd = {"rotary_pos_emb": te.RotaryPositionEmbedding(a.hidden // a.heads).to("cuda")(a.seq)}
-        baseline = TorchLlamaLayer(a.hidden, a.ffn, a.heads, a.gqa).to("cuda", dt)
-        steps = {"torch bf16 + SDPA": training_step(baseline, x, dy, rope=fwd["rotary_pos_emb"])}
-    else:
-        steps = {"torch bf16 + SDPA": training_step(TorchLayer(a.hidden, a.ffn, a.heads).to("cuda", dt), x, dy)}
-    steps.update({"te bf16": training_step(layer, x, dy, **fwd),
-                  "te FP8 delayed": training_step(layer, x, dy, fp8, **fwd),
-                  "te FP8 current": training_step(layer, x, dy, recipe.Float8CurrentScaling(), **fwd)})
-    if gemm_kernels.usable():  # every FP8 GEMM through torch._scaled_mm instead of te_parallel's cuBLASLt call
-        steps[f"te FP8 delayed, {OTHER_GEMM_LABEL}"] = training_step(layer, x, dy, with_torch_gemm(fp8), **fwd)
-    te_peer = transformer_engine()
-    if te_peer is not None:
-        peer = te_peer.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
-        peer_fwd = {}
-        if a.model == "llama":
-            from transformer_engine.pytorch.attention import RotaryPositionEmbedding
-            peer_fwd = {"rotary_pos_emb": RotaryPositionEmbedding(a.hidden // a.heads).to("cuda")(a.seq)}
-        for kind in (None, "delayed", "current"):
-            steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(peer, x, dy, kind, **peer_fwd)
-    labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece"}
-    for what, label in labels.items() if a.ablate else ():
-        steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8, **fwd))
-    if a.ablate:
-        fast = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=False))
-        steps["te FP8 delayed, fprop fast accumulation"] = training_step(layer, x, dy, fast, **fwd)
-        steps["te FP8 delayed, FP8 weights kept (is_first_microbatch=True)"] = \
-            training_step(layer, x, dy, fp8, is_first_microbatch=True, **fwd)
+    layers = build_layers(a)
+    fwd, base_fwd, peer_fwd = forward_kwargs(a, a.seq, peer=layers.peer is not None)
+    steps, records = eager_steps(a, layers, x, dy, fwd, base_fwd, peer_fwd), {}
+    if a.compile:
+        made, records = compiled_steps(a, layers, x, dy, fwd, base_fwd, a.compile_warmup)
+        steps.update(made)
+    if a.graph:
+        steps.update(graphed_steps(a, layers, x, dy, fwd))
     # every row in each of 5 rounds (no row gains from its place in the sequence)
     times = time_interleaved(steps, warmup=5, iters=10, rounds=5)
     rows, base = [], None
     for name, step in steps.items():
         got = measure(name, step, rows, times[name], base)
         base = base or got
-    graphed = te.make_graphed_callables(WithKwargs(layer, fwd), (x,), fp8_enabled=True, fp8_recipe=fp8)
-    graph_clear = training_step(layer, x, dy).clear_grads
-
-    def graph_step():
-        graph_clear()
-        graphed(x).backward(dy)
-    graph_step.clear_grads = graph_clear
-    graph_step.params = list(layer.parameters())
-    measure("te FP8 delayed, CUDA graph (timed after the other rows)", graph_step, rows, None, base)
+        rows[-1].update(records.get(name, {}))  # a compiled row's warm-up and recompilations (final by now)
     shape = f"{a.model}: h{a.hidden} ffn{a.ffn} heads{a.heads}/{a.gqa} s{a.seq} b{a.batch}"
     report(f"TransformerLayer fwd+bwd ({shape}, bf16 params; ms per step back to back, ms_synced from an idle GPU)",
-           rows, ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"], a.json)
+           rows, COLUMNS, a.json)
+    if records:
+        report("torch.compile rows: warm-up (the compilations) and dynamo graphs compiled after it",
+               [dict(case=name, **r) for name, r in records.items()],
+               ["case", "warmup_steps", "compile_s", "graphs", "graph_breaks", "recompiles_after_warmup",
+                "recompile_limit_hits"], None)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Timing helpers for the GPU benchmarks: CUDA events, warm-up, median of many runs."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -10,6 +11,14 @@ import subprocess
 from typing import Callable, Dict, List
 
 import torch
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr ("<script>: error: <what>; see --help"), exit status 2,
+    no usage block: a benchmark's command-line mistakes end there, before any work starts."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
 
 
 def _events_ms(fn: Callable[[], None], calls: int) -> float:
