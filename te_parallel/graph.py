@@ -11,6 +11,11 @@ Limits: call the graphed callables outside any fp8_autocast (they carry their ow
 clear gradients with `zero_grad(set_to_none=True)` (p.grad may be the graph's static output buffer);
 DelayedScaling(interval=1) only (a replay cannot count steps on the host); the shapes, dtypes and
 devices of the sample arguments are fixed, as with any CUDA graph.
+
+Modules with comm-GEMM overlap (ub_comm) are graphed like any other: their exchanges replay on the
+device (te_parallel.parallel.ub_transport says why that is safe). Every rank of their TP group must
+graph the same callables with the same shapes and replay them in the same order, as it would issue
+the eager steps, since the ranks pair their exchanges by order.
 """
 from __future__ import annotations
 

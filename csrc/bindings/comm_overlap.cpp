@@ -76,6 +76,12 @@ class Communicator {
   void wait(int flag, uint32_t value, std::uintptr_t stream) {
     check(tep_comm_wait(live(), flag, value, reinterpret_cast<void*>(stream)));
   }
+  void claim(const std::vector<int>& flags, std::uintptr_t stream) {
+    check(tep_comm_claim(live(), flags.data(), static_cast<int>(flags.size()), reinterpret_cast<void*>(stream)));
+  }
+  void release(int flag, int peer, int peer_flag, std::uintptr_t stream) {
+    check(tep_comm_release(live(), flag, peer, peer_flag, reinterpret_cast<void*>(stream)));
+  }
   static tep_gemm_args args(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
                             std::uintptr_t scale_b, long long k, long long n, std::uintptr_t bias, bool fast_accum,
                             std::uintptr_t workspace, size_t workspace_bytes) {
@@ -88,21 +94,21 @@ class Communicator {
                std::uintptr_t scale_b, long long k, long long n, bool fast_accum, std::uintptr_t workspace,
                size_t workspace_bytes, long long m, int out_dtype, std::uintptr_t out, std::uintptr_t received,
                size_t send_offset, size_t slot_stride, const std::vector<long long>& piece_starts, int own_group,
-               int ready_flag, int done_flag, uint32_t value_base, std::uintptr_t stream, std::uintptr_t side_stream) {
+               int ready_flag, int busy_flag, std::uintptr_t stream, std::uintptr_t side_stream) {
     tep_gemm_args g = args(a, a_dtype, b, b_dtype, scale_a, scale_b, k, n, 0, fast_accum, workspace, workspace_bytes);
     const int pieces = piece_starts.size() > 1 ? static_cast<int>(piece_starts.size()) - 1 : 1;
     check(tep_comm_gemm_rs(live(), &g, m, out_dtype, ptr<void>(out), ptr<void>(received), send_offset, slot_stride,
                            piece_starts.size() > 2 ? piece_starts.data() : nullptr, pieces, own_group, ready_flag,
-                           done_flag, value_base, ptr<void>(stream), ptr<void>(side_stream)));
+                           busy_flag, ptr<void>(stream), ptr<void>(side_stream)));
   }
   void ag_gemm(std::uintptr_t a, int a_dtype, std::uintptr_t b, int b_dtype, std::uintptr_t scale_a,
                std::uintptr_t scale_b, long long k, long long n, std::uintptr_t bias, bool fast_accum,
                std::uintptr_t workspace, size_t workspace_bytes, long long m, int out_dtype, std::uintptr_t out,
-               std::uintptr_t gathered, size_t recv_offset, size_t slot_bytes, int ready_flag, int done_flag,
-               uint32_t value, std::uintptr_t stream, std::uintptr_t side_stream) {
+               std::uintptr_t gathered, size_t recv_offset, size_t slot_bytes, int ready_flag, int busy_flag,
+               std::uintptr_t stream, std::uintptr_t side_stream) {
     tep_gemm_args g = args(a, a_dtype, b, b_dtype, scale_a, scale_b, k, n, bias, fast_accum, workspace, workspace_bytes);
     check(tep_comm_ag_gemm(live(), &g, m, out_dtype, ptr<void>(out), ptr<void>(gathered), recv_offset, slot_bytes,
-                           ready_flag, done_flag, value, ptr<void>(stream), ptr<void>(side_stream)));
+                           ready_flag, busy_flag, ptr<void>(stream), ptr<void>(side_stream)));
   }
 
  private:
@@ -146,19 +152,22 @@ void bind_comm_overlap(py::module_& m) {
            "Fence, then set peer's flags[flag] = value, on the stream.")
       .def("wait", &Communicator::wait, py::arg("flag"), py::arg("value"), py::arg("stream"),
            "The stream waits until own flags[flag] >= value.")
+      .def("claim", &Communicator::claim, py::arg("flags"), py::arg("stream"),
+           "One batch on the stream: for each own flag in turn, wait until it is 0, then set it to 1.")
+      .def("release", &Communicator::release, py::arg("flag"), py::arg("peer"), py::arg("peer_flag"),
+           py::arg("stream"), "One batch on the stream: clear own flags[flag], then (fenced) peer's flags[peer_flag].")
       .def("gemm_rs", &Communicator::gemm_rs, py::arg("a"), py::arg("a_dtype"), py::arg("b"), py::arg("b_dtype"),
            py::arg("scale_a"), py::arg("scale_b"), py::arg("k"), py::arg("n"), py::arg("fast_accum"),
            py::arg("workspace"), py::arg("workspace_bytes"), py::arg("m"), py::arg("out_dtype"), py::arg("out"),
            py::arg("received"), py::arg("send_offset"), py::arg("slot_stride"), py::arg("piece_starts"),
-           py::arg("own_group"), py::arg("ready_flag"), py::arg("done_flag"), py::arg("value_base"), py::arg("stream"),
-           py::arg("side_stream"),
+           py::arg("own_group"), py::arg("ready_flag"), py::arg("busy_flag"), py::arg("stream"), py::arg("side_stream"),
            "tep_comm_gemm_rs: the whole row-parallel GEMM + reduce-scatter schedule in one call "
            "(piece_starts: [0, ..., m] row bounds of the pieces, or [] for whole partials).")
       .def("ag_gemm", &Communicator::ag_gemm, py::arg("a"), py::arg("a_dtype"), py::arg("b"), py::arg("b_dtype"),
            py::arg("scale_a"), py::arg("scale_b"), py::arg("k"), py::arg("n"), py::arg("bias"), py::arg("fast_accum"),
            py::arg("workspace"), py::arg("workspace_bytes"), py::arg("m"), py::arg("out_dtype"), py::arg("out"),
            py::arg("gathered"), py::arg("recv_offset"), py::arg("slot_bytes"), py::arg("ready_flag"),
-           py::arg("done_flag"), py::arg("value"), py::arg("stream"), py::arg("side_stream"),
+           py::arg("busy_flag"), py::arg("stream"), py::arg("side_stream"),
            "tep_comm_ag_gemm: the whole all-gather + GEMM ring in one call (gathered: 0, or where to keep "
            "the gathered A).");
   m.def("reduce_sum", &reduce_sum, py::arg("inputs"), py::arg("in_dtype"), py::arg("out"), py::arg("out_dtype"),

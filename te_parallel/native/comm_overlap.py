@@ -3,7 +3,7 @@
 The communicator of one TP group (an IPC-shared buffer and uint32 flags per rank; copy-engine copies,
 stream waits and signals on them), the fused schedules that run a whole GEMM + reduce-scatter or
 all-gather + GEMM in one call, and the fp32 sum of reduce-scatter partials. The protocol that uses
-them (regions, flags, generation numbers) is te_parallel.parallel.ub_transport's.
+them (regions, ready and busy flags) is te_parallel.parallel.ub_transport's.
 """
 from __future__ import annotations
 
@@ -46,8 +46,11 @@ class Communicator:
     The stream operations are the binding's own methods (no wrapper frame: an overlapped layer step
     issues dozens): buffer(peer) and flags(peer) give device addresses; copy(dst, src, nbytes, stream)
     is a copy-engine copy; signal(peer, flag, value, stream) fences, then sets peer's flags[flag];
-    wait(flag, value, stream) makes the stream wait until the own flags[flag] >= value. Addresses and
-    streams (cudaStream_t) are ints.
+    wait(flag, value, stream) makes the stream wait until the own flags[flag] >= value;
+    claim(flags, stream), one batch, waits until each own flag is 0 and sets it to 1;
+    release(flag, peer, peer_flag, stream), one batch, clears the own flags[flag], then (fenced) peer's
+    flags[peer_flag]. Addresses and streams (cudaStream_t) are ints. Every value is fixed by the call
+    site, never by a count of earlier calls, so all of it can be captured in a CUDA graph.
     """
 
     def __init__(self, rank: int, world_size: int, buffer_bytes: int, num_flags: int,
@@ -56,6 +59,7 @@ class Communicator:
         self._comm = comm = module.Communicator(rank, world_size, buffer_bytes, num_flags, allgather)
         self.buffer, self.flags, self.copy, self.signal, self.wait = (comm.buffer, comm.flags, comm.copy,
                                                                       comm.signal, comm.wait)
+        self.claim, self.release = comm.claim, comm.release
 
     def close(self) -> None:
         """Synchronises the device, unmaps the peers and frees the buffer."""
@@ -64,7 +68,7 @@ class Communicator:
     def gemm_rs(self, a: torch.Tensor, a_scale_inv: Optional[torch.Tensor], b: torch.Tensor,
                 b_scale_inv: Optional[torch.Tensor], out: torch.Tensor, received: torch.Tensor, *,
                 send_offset: int, slot_stride: int, piece_starts: Sequence[int], own_group: int, ready_flag: int,
-                done_flag: int, value_base: int, stream: int, side_stream: int, fast_accum: bool = False) -> None:
+                busy_flag: int, stream: int, side_stream: int, fast_accum: bool = False) -> None:
         """tep_comm_gemm_rs: out [m, n] = this rank's rows of the sum over ranks of a·bᵀ, the whole
         row-parallel GEMM + reduce-scatter schedule in one call. a [tp·m, k], b [n, k] contiguous, both
         FP8 (with their fp32 scale_inv) or both bf16/fp16; received: [tp-1, m, n] of out's dtype, written
@@ -74,12 +78,12 @@ class Communicator:
         self._comm.gemm_rs(a.data_ptr(), a_code, b.data_ptr(), b_code, _ptr(a_scale_inv), _ptr(b_scale_inv),
                            a.shape[1], b.shape[0], fast_accum, workspace.data_ptr(), workspace.numel(), out.shape[0],
                            out_code, out.data_ptr(), received.data_ptr(), send_offset, slot_stride, list(piece_starts),
-                           own_group, ready_flag, done_flag, value_base, stream, side_stream)
+                           own_group, ready_flag, busy_flag, stream, side_stream)
 
     def ag_gemm(self, a: torch.Tensor, a_scale_inv: Optional[torch.Tensor], b: torch.Tensor,
                 b_scale_inv: Optional[torch.Tensor], bias: Optional[torch.Tensor], out: torch.Tensor,
                 gathered: Optional[torch.Tensor], *, recv_offset: int, slot_bytes: int, ready_flag: int,
-                done_flag: int, value: int, stream: int, side_stream: int, fast_accum: bool = False) -> None:
+                busy_flag: int, stream: int, side_stream: int, fast_accum: bool = False) -> None:
         """tep_comm_ag_gemm: out [tp·m, n] = AG(a)·bᵀ (+ bias), the whole all-gather + GEMM ring in one
         call. a [m, k] (this rank's chunk) and b [n, k] as in gemm_rs; bias None or [n] of out's dtype;
         gathered: None, or [tp·m, k] of a's dtype that receives the gathered a."""
@@ -88,7 +92,7 @@ class Communicator:
         self._comm.ag_gemm(a.data_ptr(), a_code, b.data_ptr(), b_code, _ptr(a_scale_inv), _ptr(b_scale_inv),
                            a.shape[1], b.shape[0], _ptr(bias), fast_accum, workspace.data_ptr(), workspace.numel(),
                            a.shape[0], out_code, out.data_ptr(), _ptr(gathered), recv_offset, slot_bytes, ready_flag,
-                           done_flag, value, stream, side_stream)
+                           busy_flag, stream, side_stream)
 
 
 def reduce_sum(parts: Sequence[torch.Tensor], out: torch.Tensor, stream: int) -> None:

@@ -9,21 +9,45 @@ torch.distributed point-to-point as the fallback. Both offer the same two exchan
 Tensors here are plain ("a tensor": bf16, fp32 or the uint8 view of FP8 bytes); FP8 scales travel
 beside them, in the caller's Float8Tensor.
 
-IPC protocol (one shared buffer per rank, regions per channel, uint32 flags; gen = per-channel op
-counter, identical on all ranks because they issue the same ops in the same order):
-  producer: wait done[p] >= gen-1 for every peer p (they finished reading my previous data), write
-            my data into my own region, then signal ready[me] = gen on every consumer;
-  consumer: wait ready[src] >= gen, pull src's region into private memory with the copy engine,
-            then signal done[me] = gen on src.
-The reduce-scatter channel counts pieces instead of ops: an op of P row pieces takes the values
-base+1 .. base+P (piece j is ready at base+j+1; done = base+P), and the next op starts at base+P.
-The all-gather pushes (the producer copies into every consumer's region), the reduce-scatter pulls
-(the owner of a chunk reads each peer's region), so results live in ordinary torch memory with
-ordinary lifetimes; only the small send regions are shared. Waits and signals are stream memory
-operations: no host round trip, no SM. Copies go straight between the two GPUs (NVLink/NVSwitch
-nodes are fully connected), in ring order me+1, me+2, ... so that at each step every rank talks to
-a different peer. The native calls (IpcTransport.gemm_rs / ag_gemm, te_parallel.native.comm_overlap)
-run the same protocol on the same counters.
+IPC protocol. Per channel (all-gather AG, reduce-scatter RS) every ordered pair producer P ->
+consumer C shares one region (AG: C's slot for P, which P pushes into; RS: P's slot for C, which C
+pulls from) and two uint32 flags, both 0 at the start:
+  ready  in C's flags, set by P, cleared by C: v > 0 = P's data up to piece v is in the region
+  busy   in P's flags, set by P, cleared by C: 1 = C may still be reading what P shared last
+One op, for every pair:
+  P: claim busy (wait busy == 0, set busy = 1), write the region, signal ready = v
+  C: wait ready >= v, read the region, release (clear ready, then, fenced, clear busy on P)
+v is 1, or j+1 for piece j of a reduce-scatter sent in row pieces (C waits for each piece and
+releases once, after the last). The all-gather pushes (P copies into every consumer's region), the
+reduce-scatter pulls (the owner of a chunk reads each peer's region), so results live in ordinary
+torch memory with ordinary lifetimes; only the small send regions are shared. Waits and signals are
+stream memory operations: no host round trip, no SM. Copies go straight between the two GPUs
+(NVLink/NVSwitch nodes are fully connected), in ring order me+1, me+2, ... so that at each step every
+rank talks to a different peer. The native calls (IpcTransport.gemm_rs / ag_gemm,
+te_parallel.native.comm_overlap) run the same protocol on the same flags.
+
+Why a captured op replays safely. Every value above is a constant of its call site; nothing counts
+ops, and the transport keeps no per-op host state. A pair's flags go around one cycle per op,
+(ready, busy) = (0, 0) -> claim (0, 1) -> signal (v, 1) -> release (0, 0), so every op starts and
+ends in the same state and means the same whether it is the first eager op, the thousandth, or the
+k-th replay of a graph captured from it (a graph replays the constants it captured). Within a cycle:
+  - P writes the region only between its claim and its signal; the claim passes only at busy == 0,
+    and since P itself set busy = 1 at its previous claim, only C's release of the previous op can
+    have cleared it: P never overwrites what C is still reading.
+  - C reads only between its wait and its release; ready > 0 only from P's signal of this op to C's
+    own clear, and P cannot set it again before C's release (its next claim waits for the busy
+    clear, which C fences after the ready clear): C never reads a stale or a future op's data.
+  - Clears cannot overtake sets: P's busy = 1 is fenced before its ready signal, which C sees before
+    it clears busy; C's ready clear is fenced before its busy clear, which P sees before it sets
+    ready again.
+(Flags compared with a per-op generation number fixed at issue time would fail exactly here: after
+one replay they hold the capture's largest number, and every wait of the next replay passes at
+once.) The ranks pair their ops by order alone, so every rank must issue (or replay) the same ops in
+the same order, eagerly or from graphs. tests/test_overlap_capture.py runs this host code against a
+model of the GPUs that replays recorded ops and reports any race.
+
+The point-to-point transport keeps no state between ops either: each op posts its own sends and
+receives, which NCCL pairs by order, so it is captured and replayed as issued.
 """
 from __future__ import annotations
 
@@ -52,16 +76,32 @@ def reduce_sum_reference(parts: List[torch.Tensor], out_dtype: torch.dtype) -> t
     return acc.to(out_dtype)
 
 
+# The CUDA stream calls of the IPC schedules, in one place (tests/test_overlap_capture.py replaces them
+# with a model of the GPU's streams to check the protocol on the CPU).
 def _current(device: torch.device) -> int:
     """The current cudaStream_t of `device` as an int (torch's C binding: the Python wrapper builds a
     Stream object per call, and an overlapped layer step asks ~40 times)."""
     return launch_on(device)[1]
 
 
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.current_stream(device)
+
+
 def _event(stream, timing: bool) -> torch.cuda.Event:
     ev = torch.cuda.Event(enable_timing=timing)
     ev.record(stream)
     return ev
+
+
+def _on(stream):
+    """Context: `stream` is the current stream."""
+    return torch.cuda.stream(stream)
+
+
+def _keep(t: torch.Tensor, stream) -> None:
+    """t's memory is used on `stream` too (the caching allocator keeps it until that work is done)."""
+    t.record_stream(stream)
 
 
 def _check_gather(t, x_local: torch.Tensor) -> int:
@@ -97,30 +137,30 @@ class IpcTransport:
     name = "ipc"
 
     def __init__(self, rank: int, tp: int, chunk_bytes: int, bootstrap, device: torch.device) -> None:
-        self.rank, self.tp, self.device = rank, tp, device
-        self.chunk_bytes = -(-chunk_bytes // 256) * 256
-        self.offsets = {AG: 0, RS: tp * self.chunk_bytes}  # [AG: tp chunk slots | RS: tp chunk slots]
-        total = self.chunk_bytes * 2 * tp
+        chunk_bytes = -(-chunk_bytes // 256) * 256
+        total = chunk_bytes * 2 * tp
         with torch.cuda.device(device):
-            self.comm = native_comm.Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
-            self.own = torch.as_tensor(_CudaArray(self.comm.buffer(rank), total), device=device)
-            self.streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
-        self.raw = {ch: st.cuda_stream for ch, st in self.streams.items()}  # the side streams' handles
-        self.gen = {AG: 0}
-        self.seq = {RS: 0}  # flag values used by reduce-scatters so far (IpcReduceScatter)
+            comm = native_comm.Communicator(rank, tp, total, 2 * 2 * tp, bootstrap)
+            own = torch.as_tensor(_CudaArray(comm.buffer(rank), total), device=device)
+            streams = {AG: torch.cuda.Stream(device), RS: torch.cuda.Stream(device)}
+        self._attach(rank, tp, chunk_bytes, device, comm, own, streams)
+
+    def _attach(self, rank: int, tp: int, chunk_bytes: int, device, comm, own: torch.Tensor, streams) -> None:
+        """The transport's state, all of it fixed at construction: no op changes it (see the module
+        docstring), which is what lets a captured op replay."""
+        self.rank, self.tp, self.device, self.chunk_bytes = rank, tp, device, chunk_bytes
+        self.offsets = {AG: 0, RS: tp * chunk_bytes}  # [AG: tp chunk slots | RS: tp chunk slots]
+        self.comm, self.own, self.streams = comm, own, streams
+        self.raw = {ch: st.cuda_stream for ch, st in streams.items()}  # the side streams' handles
         self.timing = False  # True: record timed events around every pull (benchmarks' overlap proof)
 
-    def take_rs_values(self, count: int) -> int:
-        """The base of the next reduce-scatter's `count` flag values (IpcReduceScatter's protocol)."""
-        base = self.seq[RS]
-        self.seq[RS] += count
-        return base
-
-    # flags on every rank: [channel][ready | done][peer]
+    # flags on every rank: [channel][ready | busy][peer]
     def _ready(self, ch: int, peer: int) -> int:
+        """Own flag that `peer` sets when its data for this rank is there."""
         return (2 * ch) * self.tp + peer
 
-    def _done(self, ch: int, peer: int) -> int:
+    def _busy(self, ch: int, peer: int) -> int:
+        """Own flag set while `peer` may still read what this rank shared with it (peer clears it)."""
         return (2 * ch + 1) * self.tp + peer
 
     def _peer_addr(self, ch: int, peer: int) -> int:
@@ -133,10 +173,8 @@ class IpcTransport:
     def _peers(self):
         return [(self.rank + k) % self.tp for k in range(1, self.tp)]
 
-    def mark(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+    def mark(self):
+        return _event(_current_stream(self.device), False)
 
     def all_gather(self, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> "IpcAllGather":
         return IpcAllGather(self, x_local, out, after)
@@ -156,16 +194,15 @@ class IpcTransport:
         m = rows // self.tp
         nbytes = _check_scatter(self, rows, n, out_dtype)
         spans = row_pieces(m, pieces)
-        base = self.take_rs_values(len(spans))
         stream = _current(self.device)
         out = torch.empty((m, n), dtype=out_dtype, device=self.device)
         received = torch.empty((self.tp - 1, m, n), dtype=out_dtype, device=self.device)
         starts = [r for r, _ in spans] + [m] if len(spans) > 1 else []
         self.comm.gemm_rs(a, a_scale_inv, b, b_scale_inv, out, received, send_offset=self.offsets[RS],
                           slot_stride=_slot_stride(nbytes), piece_starts=starts, own_group=own_group,
-                          ready_flag=self._ready(RS, 0), done_flag=self._done(RS, 0), value_base=base, stream=stream,
+                          ready_flag=self._ready(RS, 0), busy_flag=self._busy(RS, 0), stream=stream,
                           side_stream=self.raw[RS], fast_accum=fast_accum)
-        received.record_stream(self.streams[RS])  # (the copies write it there)
+        _keep(received, self.streams[RS])  # (the copies write it there)
         return out
 
     def ag_gemm(self, a: torch.Tensor, a_scale_inv: Optional[torch.Tensor], b: torch.Tensor,
@@ -173,18 +210,17 @@ class IpcTransport:
                 keep_gathered: bool, fast_accum: bool = False):
         """Column-parallel all-gather + GEMM in one native call (tep_comm_ag_gemm): (out [tp·m, n] =
         AG(a)·bᵀ (+ bias), the gathered a [tp·m, k] if keep_gathered else None). Operands as gemm_rs;
-        the same flags and generation numbers as IpcAllGather, so the two can alternate."""
+        the same flags and values as IpcAllGather, so the two can alternate."""
         m, k = a.shape
         n = b.shape[0]
         _check_gather(self, a)
-        self.gen[AG] += 1
         stream = _current(self.device)
         out = torch.empty((self.tp * m, n), dtype=out_dtype, device=self.device)
         gathered = torch.empty((self.tp * m, k), dtype=a.dtype, device=self.device) if keep_gathered else None
         self.comm.ag_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, gathered, recv_offset=self.offsets[AG],
-                          slot_bytes=self.chunk_bytes, ready_flag=self._ready(AG, 0), done_flag=self._done(AG, 0),
-                          value=self.gen[AG], stream=stream, side_stream=self.raw[AG], fast_accum=fast_accum)
-        a.record_stream(self.streams[AG])  # (the pushes read it there)
+                          slot_bytes=self.chunk_bytes, ready_flag=self._ready(AG, 0), busy_flag=self._busy(AG, 0),
+                          stream=stream, side_stream=self.raw[AG], fast_accum=fast_accum)
+        _keep(a, self.streams[AG])  # (the pushes read it there)
         return out, gathered
 
     def close(self) -> None:
@@ -197,18 +233,18 @@ class IpcAllGather:
     engine, in the order the peers consume it; `chunk(src)` makes the caller's stream wait for src's
     flag and returns the slot itself (no copy); `release(src)` after the GEMM that read it tells src
     the slot may be overwritten. (A local copy into one's own region would not do: an intra-GPU
-    copy may wait for SMs the GEMM holds; copies to a peer go through the copy engines.)"""
+    copy may wait for SMs the GEMM holds; copies to a peer go through the copy engines.) After the
+    last release the caller's stream waits for this rank's pushes (in a captured graph, the join of
+    the side stream's branch)."""
 
     def __init__(self, t: IpcTransport, x_local: torch.Tensor, out: Optional[torch.Tensor], after=None) -> None:
         if not x_local.is_contiguous():
             raise ValueError("comm-GEMM overlap: the all-gather input must be contiguous")
         self.t, self.m, self.x_local, self.full = t, x_local.shape[0], x_local, out
         self.nbytes = _check_gather(t, x_local)
-        t.gen[AG] += 1
-        self.gen, s = t.gen[AG], t.streams[AG]
-        cur = torch.cuda.current_stream(t.device)
+        s = t.streams[AG]
         if after is None:
-            s.wait_stream(cur)  # x_local is ready
+            s.wait_stream(_current_stream(t.device))  # x_local is ready
         else:
             s.wait_event(after)
         comm, sp = t.comm, t.raw[AG]
@@ -216,13 +252,14 @@ class IpcAllGather:
         self.push_started: Dict[int, torch.cuda.Event] = {}
         for k in range(1, t.tp):  # rank me-k multiplies my chunk at its step k: push to it k-th
             p = (t.rank - k) % t.tp
-            comm.wait(t._done(AG, p), self.gen - 1, sp)  # p finished reading my slot of the last gather
+            comm.claim([t._busy(AG, p)], sp)  # p finished reading my slot of the last gather
             if t.timing:
                 self.push_started[p] = _event(s, True)
             comm.copy(t._peer_addr(AG, p) + t.rank * t.chunk_bytes, x_local.data_ptr(), self.nbytes, sp)
-            comm.signal(p, t._ready(AG, t.rank), self.gen, sp)
+            comm.signal(p, t._ready(AG, t.rank), 1, sp)
             self.events[p] = _event(s, t.timing)
-        x_local.record_stream(s)
+        self.pushed = self.events[(t.rank + 1) % t.tp] if t.tp > 1 else None  # (the last push)
+        _keep(x_local, s)
         self.released = set()
 
     def _slot(self, src: int) -> torch.Tensor:
@@ -234,17 +271,20 @@ class IpcAllGather:
         """src's rows, on the caller's stream (which waits for src's push)."""
         if src == self.t.rank:
             return self.x_local
-        self.t.comm.wait(self.t._ready(AG, src), self.gen, _current(self.t.device))
+        self.t.comm.wait(self.t._ready(AG, src), 1, _current(self.t.device))
         return self._slot(src)
 
     def release(self, src: int) -> None:
         """The caller's stream is done reading src's slot (issue after the GEMM that used it)."""
-        if src == self.t.rank or src in self.released:
+        t = self.t
+        if src == t.rank or src in self.released:
             return
         self.released.add(src)
         if self.full is not None:
             self.full[src * self.m : (src + 1) * self.m].copy_(self._slot(src))
-        self.t.comm.signal(src, self.t._done(AG, self.t.rank), self.gen, _current(self.t.device))
+        t.comm.release(t._ready(AG, src), src, t._busy(AG, t.rank), _current(t.device))
+        if len(self.released) == t.tp - 1:
+            _current_stream(t.device).wait_event(self.pushed)
 
     def wait(self) -> torch.Tensor:
         """The whole gathered tensor (`out` given at the start), on the caller's stream."""
@@ -273,20 +313,22 @@ class IpcReduceScatter:
     before the whole partial exists. `received(src, j)` then gives a pulled piece on the caller's
     stream, for a GEMM that adds it in its epilogue (`finish_accumulated` replaces the sum).
 
-    Flag values: every op takes `len(pieces)` consecutive values of the RS channel's counter
-    (identical on all ranks); piece j is ready at base+j+1, and done = base+len(pieces) tells a
-    producer that this op's pulls are over."""
+    Flags: the op claims this rank's busy flags first (every consumer released the previous op's
+    partials); piece j is ready at value j+1 (a whole partial at len(pieces)); the owner releases a
+    producer after its last pull from it. The RS stream forks from the caller's stream here and
+    joins it again in `wait` / `finish_accumulated`."""
 
     def __init__(self, t: IpcTransport, rows: int, cols: int, dtype: torch.dtype, pieces: int = 1) -> None:
         self.t, self.m, self.cols, self.dtype = t, rows // t.tp, cols, dtype
         nbytes = _check_scatter(t, rows, cols, dtype)
         self.nbytes, self.stride = nbytes, _slot_stride(nbytes)  # slot d at d·stride
         self.pieces = row_pieces(self.m, pieces)
-        self.base = t.take_rs_values(len(self.pieces))
-        if self.base > 0:  # GEMMs write the send slots next: every consumer is done with the last op
-            cur = _current(t.device)
-            for p in t._peers():
-                t.comm.wait(t._done(RS, p), self.base, cur)
+        cur = _current_stream(t.device)
+        # The fork comes before the claim: the pulls must not wait for what the claim waits for (the
+        # peers' pulls of this rank's previous partials).
+        t.streams[RS].wait_stream(cur)
+        if t.tp > 1:  # GEMMs write the send slots next: every consumer is done with the last op
+            t.comm.claim([t._busy(RS, p) for p in t._peers()], cur.cuda_stream)
         self.partials = self.t._own_view(RS, t.tp * t.chunk_bytes)
         self.received_buf, self.parts, self.pulls = None, {t.rank: self._own_slot(t.rank)}, []
         self.pulled: Dict[int, set] = {}  # src -> pieces pulled
@@ -308,7 +350,7 @@ class IpcReduceScatter:
     def ready(self, d: int, piece: Optional[int] = None) -> None:
         """Rows `pieces[piece]` of slot d are written (None: the whole slot)."""
         if d != self.t.rank:
-            value = self.base + (len(self.pieces) if piece is None else piece + 1)
+            value = len(self.pieces) if piece is None else piece + 1
             self.t.comm.signal(d, self.t._ready(RS, self.t.rank), value, _current(self.t.device))
 
     def pull_step(self, k: int, piece: Optional[int] = None) -> None:
@@ -320,7 +362,7 @@ class IpcReduceScatter:
         t, comm = self.t, self.t.comm
         s = t.streams[RS]
         if self.received_buf is None:
-            with torch.cuda.stream(s):  # memory owned by the copy stream (it writes first)
+            with _on(s):  # memory owned by the copy stream (it writes first)
                 self.received_buf = torch.empty((t.tp - 1, self.m, self.cols), dtype=self.dtype, device=t.device)
         src, sp = (t.rank - k) % t.tp, t.raw[RS]
         done = self.pulled.setdefault(src, set())
@@ -328,7 +370,7 @@ class IpcReduceScatter:
         if not todo:
             return
         whole = len(todo) == len(self.pieces)  # one copy for the whole partial
-        comm.wait(t._ready(RS, src), self.base + (len(self.pieces) if whole else todo[-1] + 1), sp)
+        comm.wait(t._ready(RS, src), len(self.pieces) if whole else todo[-1] + 1, sp)
         started = _event(s, True) if t.timing else None
         row_bytes = self.cols * self.received_buf.element_size()
         for a, b in ([(0, self.m)] if whole else [self.pieces[j] for j in todo]):
@@ -338,7 +380,7 @@ class IpcReduceScatter:
         if piece is not None:
             self.piece_events[(src, piece)] = _event(s, False)
         if len(done) == len(self.pieces):
-            comm.signal(src, t._done(RS, t.rank), self.base + len(self.pieces), sp)
+            comm.release(t._ready(RS, src), src, t._busy(RS, t.rank), sp)
             self.parts[src] = self.received_buf[k - 1]
         if t.timing:
             self.pulls.append((started, _event(s, True)))
@@ -346,7 +388,7 @@ class IpcReduceScatter:
     def received(self, src: int, piece: int) -> torch.Tensor:
         """Rows `pieces[piece]` of src's partial for this rank, on the caller's stream (after its pull)."""
         self.pull_step((self.t.rank - src) % self.t.tp, piece)
-        torch.cuda.current_stream(self.t.device).wait_event(self.piece_events[(src, piece)])
+        _current_stream(self.t.device).wait_event(self.piece_events[(src, piece)])
         a, b = self.pieces[piece]
         return self.received_buf[(self.t.rank - src) % self.t.tp - 1, a:b]
 
@@ -358,7 +400,9 @@ class IpcReduceScatter:
     def finish_accumulated(self, out: torch.Tensor) -> torch.Tensor:
         """`out` holds the sum already: GEMMs on the caller's stream added every received piece."""
         self.start_pulls()  # (nothing left, unless a piece was never used)
-        self.received_buf.record_stream(torch.cuda.current_stream(self.t.device))
+        cur = _current_stream(self.t.device)
+        cur.wait_stream(self.t.streams[RS])  # the join: later work waits for the releases too
+        _keep(self.received_buf, cur)
         self.out = out
         return out
 
@@ -374,11 +418,11 @@ class IpcReduceScatter:
     def wait(self) -> torch.Tensor:
         if self.out is None:
             t = self.t
-            cur = torch.cuda.current_stream(t.device)
-            cur.wait_stream(t.streams[RS])  # pulls done
+            cur = _current_stream(t.device)
+            cur.wait_stream(t.streams[RS])  # pulls done (and the join)
             out = torch.empty((self.m, self.cols), dtype=self.out_dtype, device=t.device)
             self._sum([self.parts[r] for r in range(t.tp)], out, cur)
-            self.received_buf.record_stream(cur)
+            _keep(self.received_buf, cur)
             self.out = out
         return self.out
 

@@ -156,9 +156,50 @@ def _primitives(rank, world, group, device, ub):
     out = rs.finish(dtype)
     want = parts.float().sum(0)[rank * 8 : (rank + 1) * 8].to(dtype)
     assert torch.equal(out.cpu(), want), f"reduce_scatter max diff {(out.cpu().float() - want.float()).abs().max()}"
-    for _ in range(3):  # repeated ops reuse the shared buffers: the generation handshake keeps them apart
+    for _ in range(3):  # repeated ops reuse the shared buffers: the ready/busy handshake keeps them apart
         y = ub.all_gather(x + 1, torch.empty(8 * world, 16, dtype=dtype, device=device)).wait()
         assert torch.equal(y[rank * 8 : (rank + 1) * 8], x + 1)
+
+
+def _transport_state(ub) -> dict:
+    """The transport's attributes: the objects, and a copy of each dict or list (shallow)."""
+    return {k: (v, dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else None)
+            for k, v in vars(ub.transport).items()}
+
+
+def _replayed_sequence(rank, world, group, device, ub):
+    """The same recorded sequence of ops, issued again and again (what replays of a captured graph
+    do): bit-identical results every time, and the transport unchanged (it keeps no per-op state that
+    a replay would leave stale)."""
+    from te_parallel.ops import linear_overlap as ov
+
+    dtype = _dtype(device)
+    gen = torch.Generator().manual_seed(21)
+    x_all = torch.randn(world, 32, 64, generator=gen).to(dtype)
+    w = torch.randn(48, 64, generator=gen).to(dtype).to(device)
+    w2 = torch.randn(64, 48, generator=gen).to(dtype).to(device)
+    x = x_all[rank].to(device)
+    cfg = te.OverlapConfig(rs_pieces=2, rs_min_piece_rows=16, native_schedule=False)
+
+    def sequence():
+        y = ov.ag_gemm(ub, x, lambda a, out: ov.fprop_into(a, w, None, out), 48, dtype, keep_gathered=False)[0]
+        z = ov.gemm_rs(ub, y, lambda a, out, c=None: ov.fprop_into(a, w2, None, out, c), 64, dtype, cfg)
+        bulk = ov.BulkBackward(ub, z)
+        bulk.dgrad_rs(y, w, world * 32, 64, dtype, device)
+        return [y, z, bulk.x_full(), bulk.dx_local()]
+
+    before = _transport_state(ub)
+    first = [t.clone() for t in sequence()]
+    for _ in range(3):
+        again = sequence()
+        assert all(torch.equal(a, b) for a, b in zip(again, first)), "a repeated sequence of ops gave other results"
+    after = _transport_state(ub)
+    assert after.keys() == before.keys(), "ops added or removed transport attributes"
+    for k, (obj, copied) in before.items():
+        assert after[k][0] is obj and after[k][1] == copied, f"ops changed the transport's {k!r}"
+    want = torch.cat([x_all[r] for r in range(world)]).to(device).float() @ w.float().t()
+    err = (first[0].float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"all-gather + GEMM off by {err:.3g}"
 
 
 def _pieced_primitives(rank, world, group, device, ub):
@@ -246,8 +287,8 @@ def _native_rs_whole(rank, world, group, device, ub):
     comm, a16, w16 = ub.transport.comm, a.to(torch.bfloat16), w.to(torch.bfloat16)
     out = torch.empty(64, 48, device=device, dtype=torch.bfloat16)
     operands = (a16, None, w16, None, out, out)  # a [64·world, 96], b [48, 96], out (and received) [64, 48]
-    args = dict(send_offset=0, slot_stride=64 * 48 * 2, piece_starts=[], own_group=1, ready_flag=0, done_flag=0,
-                value_base=0, stream=0, side_stream=0)
+    args = dict(send_offset=0, slot_stride=64 * 48 * 2, piece_starts=[], own_group=1, ready_flag=0, busy_flag=0,
+                stream=0, side_stream=0)
     with pytest.raises(RuntimeError, match="own_group=0 .* need m >= 1"):
         comm.gemm_rs(*operands, **(args | dict(own_group=0)))
     if world == 2:
@@ -268,6 +309,7 @@ def _suite(rank, world, device):
     want_transport = "ipc" if device.type == "cuda" else "p2p"
     checks.run("transport", _expect, ub.transport_name, want_transport, fallback)
     checks.run("primitives", _primitives, rank, world, group, device, ub)
+    checks.run("replayed sequence", _replayed_sequence, rank, world, group, device, ub)
     if ub.transport_name == "ipc" and world == 2:
         checks.run("pieced reduce-scatter", _pieced_primitives, rank, world, group, device, ub)
         checks.run("pieced Linear row", _pieced_linear, rank, world, group, device, ub)

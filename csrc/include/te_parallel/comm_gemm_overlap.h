@@ -7,10 +7,15 @@
  *   - data moves with the copy engines (cudaMemcpyAsync between peer-mapped pointers);
  *   - ordering across GPUs uses stream memory operations on the flags: a rank writes a value into a
  *     peer's flag on its stream (after a memory fence, so data written before it is visible first),
- *     and a stream waits until one of its own flags is >= a value.
- * Flag values only grow (callers use a per-operation generation counter), so flags are never reset.
+ *     and a stream waits until one of its own flags is >= (or ==) a value.
+ * Flags are one-slot mailboxes whose values never depend on how many operations came before: a
+ * writer sets a flag, and the rank that owns it clears it once it has acted on it (tep_comm_claim,
+ * tep_comm_release). Every value a call passes is therefore the same on every call, so the work
+ * these functions enqueue can be captured in a CUDA graph and replayed any number of times, mixed
+ * with eager calls (the protocol and why replays cannot race: te_parallel/parallel/ub_transport.py).
  * No CUDA multicast objects are created (NCCL_NVLS_ENABLE=0 machines).
- * GEMMs are not launched here: the caller runs cuBLASLt on its compute stream between these calls.
+ * The primitives launch no GEMM (the caller runs its own between them); the fused calls
+ * (tep_comm_gemm_rs, tep_comm_ag_gemm) launch te_parallel's cuBLASLt GEMM (te_parallel/gemm.h).
  */
 #ifndef TE_PARALLEL_COMM_GEMM_OVERLAP_H_
 #define TE_PARALLEL_COMM_GEMM_OVERLAP_H_
@@ -60,6 +65,20 @@ TEP_API tep_status tep_comm_signal(tep_comm* comm, int peer, int flag, uint32_t 
 TEP_API tep_status tep_comm_wait(tep_comm* comm, int flag, uint32_t value, void* stream);
 
 /*
+ * On `stream`, as one batch of stream memory operations, for each of the `count` (1..64) own flags
+ * in `flags`, in order: wait until flags[f] == 0, then set flags[f] = 1. A producer claims the
+ * region it shares with a consumer this way; the consumer's tep_comm_release clears the flag.
+ */
+TEP_API tep_status tep_comm_claim(tep_comm* comm, const int* flags, int count, void* stream);
+
+/*
+ * On `stream`, as one batch: set this rank's flags[flag] = 0, then (fenced, so the clear lands first)
+ * set peer's flags[peer_flag] = 0. A consumer that has finished with what `peer` shared clears the
+ * ready flag `peer` set and hands the region back to it.
+ */
+TEP_API tep_status tep_comm_release(tep_comm* comm, int flag, int peer, int peer_flag, void* stream);
+
+/*
  * out[i] = sum_k inputs[k][i], accumulated in fp32 in the order k = 0 .. num_inputs-1, rounded once
  * to out_dtype. inputs: host array of num_inputs (1..8) device pointers, all of in_dtype
  * (fp32/fp16/bf16); out may alias inputs[0]. Asynchronous on `stream`.
@@ -88,38 +107,41 @@ typedef struct {
  * Row-parallel GEMM + reduce-scatter in one call (the whole schedule is enqueued without returning to
  * the caller between steps, which a host-bound layer needs):
  *   out [m, n] = sum over ranks r of rank r's A[me*m : (me+1)*m] · Bᵀ
- * This rank computes the partial for destination d = me+1, me+2, ..., me (own last) into its shared
- * buffer at send_offset + d*slot_stride, signals d's ready flag, and pulls what each peer computed for
- * it with the copy engine on side_stream, signalling that peer's done flag after its last pull. Flags:
- * ready_flag + src and done_flag + src; this op's values are value_base+1 .. value_base+num_pieces and
- * it first waits until every peer's done flag reached value_base (the previous op's pulls are over).
- *   num_pieces == 1: whole partials; the tp partials are summed in fp32, in rank order, into out.
+ * side_stream first waits for the work already on `stream`; `stream` then claims busy_flag + p for
+ * every peer p (p finished pulling this rank's previous partials). This rank computes the partial for
+ * destination d = me+1, me+2, ..., me (own last) into its shared buffer at send_offset + d*slot_stride
+ * and sets d's ready flag ready_flag + me; it pulls what each peer computed for it with the copy
+ * engine on side_stream and, after its last pull from src, releases src (clears ready_flag + src and
+ * src's busy_flag + me). `stream` waits for side_stream before returning.
+ *   num_pieces == 1: whole partials (ready value 1); the tp partials are summed in fp32, in rank
+ *     order, into out.
  *   num_pieces > 1 (world_size 2 only): the peer's partial is written and pulled in row pieces
- *     [piece_starts[j], piece_starts[j+1]) (num_pieces+1 entries from 0 to m), each pulled while the
- *     next is computed; the own partial is computed `own_group` pieces per GEMM, each GEMM adding the
- *     pulled rows as its C input (one rounding), so there is no separate sum.
+ *     [piece_starts[j], piece_starts[j+1]) (num_pieces+1 entries from 0 to m), piece j signalled with
+ *     ready value j+1 and pulled while the next is computed; the own partial is computed `own_group`
+ *     pieces per GEMM, each GEMM adding the pulled rows as its C input (one rounding), so there is no
+ *     separate sum.
  * g->bias must be NULL (a reduce-scatter adds the bias once, after the sum).
- * received: [world_size-1, m, n] of out_dtype, written on side_stream (keep it alive until `stream`
- * has finished this op). side_stream first waits for the work already on `stream`.
+ * received: [world_size-1, m, n] of out_dtype, written on side_stream.
  */
 TEP_API tep_status tep_comm_gemm_rs(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
                                     void* received, size_t send_offset, size_t slot_stride,
                                     const long long* piece_starts, int num_pieces, int own_group, int ready_flag,
-                                    int done_flag, uint32_t value_base, void* stream, void* side_stream);
+                                    int busy_flag, void* stream, void* side_stream);
 
 /*
  * Column-parallel all-gather + GEMM in one call (ring order, each chunk's GEMM as soon as it lands):
  *   out [world·m, n] rows of rank r = (rank r's A [m, k]) · Bᵀ (+ bias)
- * g->a is this rank's chunk A [m, k]. Its GEMM runs first; meanwhile side_stream pushes the chunk with
- * the copy engine into every peer's buffer at recv_offset + me*slot_bytes (waiting until that peer's
- * done flag reached value-1: it finished the previous gather) and sets the peer's ready flag
- * ready_flag + me to `value`. Then `stream` waits for each peer's chunk (ready_flag + src >= value)
- * in the order me+1, me+2, ..., multiplies it in place, copies it into gathered (if not NULL:
- * [world·m, k] of A's dtype, the whole gathered A) and sets src's done flag done_flag + me = value.
+ * g->a is this rank's chunk A [m, k]. Its GEMM runs first; meanwhile side_stream claims each peer's
+ * busy flag busy_flag + p (p finished reading the previous gather), pushes the chunk with the copy
+ * engine into p's buffer at recv_offset + me*slot_bytes and sets p's ready flag ready_flag + me to 1.
+ * Then `stream` waits for each peer's chunk (ready_flag + src >= 1) in the order me+1, me+2, ...,
+ * multiplies it in place, copies it into gathered (if not NULL: [world·m, k] of A's dtype, the whole
+ * gathered A) and releases src (clears ready_flag + src and src's busy_flag + me). `stream` waits for
+ * side_stream before returning.
  */
 TEP_API tep_status tep_comm_ag_gemm(tep_comm* comm, const tep_gemm_args* g, long long m, int out_dtype, void* out,
                                     void* gathered, size_t recv_offset, size_t slot_bytes, int ready_flag,
-                                    int done_flag, uint32_t value, void* stream, void* side_stream);
+                                    int busy_flag, void* stream, void* side_stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
