@@ -57,10 +57,10 @@ def test_gemm_close_to_cpu_kernel(ops, out_dtype, mnk):
     acc = torch.randn(m, n, dtype=out_dtype)
     got = torch_ops.fp8_gemm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), out_dtype, _on(bias, "cuda"), acc.cuda())
     want = torch_ops.fp8_gemm(a, sa, b, sb, out_dtype, bias, acc)
-    # both accumulate in fp32 (in different orders): |error| <= k·2⁻²⁴·Σ|a·b| bounds the sums, plus the
-    # output's rounding
+    # Hopper's FP8 tensor cores keep about 14 mantissa bits in their partial sums (measured: 6e-5 relative
+    # at k=16 with an fp32 output), so the bound is 2⁻¹²·Σ|a·b| plus the output's rounding
     terms = (a.double().abs() @ b.double().abs().t()) * (sa * sb).item()
-    bound = k * 2.0**-24 * terms + torch.finfo(out_dtype).eps * want.double().abs() + 1e-30
+    bound = 2.0**-12 * terms + torch.finfo(out_dtype).eps * want.double().abs()
     assert ((got.cpu().double() - want.double()).abs() <= 2 * bound).all()
 
 
