@@ -192,11 +192,24 @@ void gemm_into(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b, cons
                const std::optional<Tensor>& bias, const std::optional<Tensor>& accumulate, const Tensor& out,
                bool fast_accum, void* stream) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
-  check(tep_gemm(a.data_ptr(), tep_dtype_of(a.scalar_type()), b.data_ptr(), tep_dtype_of(b.scalar_type()), m, n, k,
-                 ptr<const float>(a_scale_inv), ptr<const float>(b_scale_inv),
-                 accumulate.has_value() ? accumulate->data_ptr() : nullptr, out.data_ptr(),
-                 tep_dtype_of(out.scalar_type()), bias.has_value() ? bias->data_ptr() : nullptr, fast_accum ? 1 : 0,
-                 workspace(a, stream), static_cast<size_t>(kWorkspaceBytes), stream));
+  // cuBLASLt refuses FP8 scale pointers that are not 16-byte aligned ("not supported"), and a compiled
+  // graph may hand over a scalar that sits inside a larger buffer: such a scale is copied first.
+  auto aligned = [](const Tensor& t) {
+    return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0 ? t : torch::stable::clone(t);
+  };
+  const Tensor sa = aligned(a_scale_inv), sb = aligned(b_scale_inv);
+  tep_status status =
+      tep_gemm(a.data_ptr(), tep_dtype_of(a.scalar_type()), b.data_ptr(), tep_dtype_of(b.scalar_type()), m, n, k,
+               ptr<const float>(sa), ptr<const float>(sb),
+               accumulate.has_value() ? accumulate->data_ptr() : nullptr, out.data_ptr(),
+               tep_dtype_of(out.scalar_type()), bias.has_value() ? bias->data_ptr() : nullptr, fast_accum ? 1 : 0,
+               workspace(a, stream), static_cast<size_t>(kWorkspaceBytes), stream);
+  auto misalign = [](const void* p) { return static_cast<int>(reinterpret_cast<std::uintptr_t>(p) % 256); };
+  STD_TORCH_CHECK(status == TEP_SUCCESS, "te_parallel::fp8_gemm: m=", m, " n=", n, " k=", k, " dtype codes a=",
+                  tep_dtype_of(a.scalar_type()), " b=", tep_dtype_of(b.scalar_type()), " out=",
+                  tep_dtype_of(out.scalar_type()), ", addresses mod 256: a ", misalign(a.data_ptr()), " b ",
+                  misalign(b.data_ptr()), " out ", misalign(out.data_ptr()), " scales ", misalign(a_scale_inv.data_ptr()),
+                  " ", misalign(b_scale_inv.data_ptr()), ": ", tep_last_error());
 }
 
 void check_gemm_args(const char* op, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,

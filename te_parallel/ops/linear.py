@@ -154,6 +154,14 @@ class LinearSaved:
     __slots__ = ("fp8", "targets", "par", "act_dtype", "has_bias", "weight_dtype", "w_saved", "x_saved", "regather")
 
 
+def _copy_saved(s: LinearSaved) -> LinearSaved:
+    """A new LinearSaved with s's fields (a backward may then replace its operands, e.g. W by Wᵀ)."""
+    copy = LinearSaved()
+    for name in LinearSaved.__slots__:
+        setattr(copy, name, getattr(s, name))
+    return copy
+
+
 def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor], plan,
                act_dtype: torch.dtype, x_q: Optional[Float8Tensor] = None):
     """y2d = x2d·Wᵀ + b on this rank (the collectives of `par` included); returns (y2d, LinearSaved).
@@ -238,6 +246,8 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
     dx_rows = (rows per chunk, consume): make dx in row chunks after wgrad, handing each to
     consume(first row, dx rows) before the next is made (dx2d is then None); only where dx needs no
     reduction across ranks and dgrad is not overlapped (ops.mlp uses it to bound fc2's dgrad output)."""
+    if torch.compiler.is_compiling():  # (the forward's object stays as it was: a traced backward may not write it)
+        s = _copy_saved(s)
     fp8, targets, par = s.fp8, s.targets, s.par
     if dx_rows is not None and (par.overlap_dgrad or (par.active and par.mode == "column") or not need_dx):
         raise ValueError("linear_bwd: dx_rows needs dx without a cross-rank reduction or dgrad overlap")
@@ -300,7 +310,10 @@ class LinearFunction(torch.autograd.Function):
 
 def keep_graph() -> bool:
     """True while the running backward keeps the graph (retain_graph=True): saved operands must outlive it.
-    (True where torch cannot tell, so nothing is freed early.)"""
+    (True where torch cannot tell, so nothing is freed early; and under torch.compile, whose compiled
+    backward owns the saved tensors' lifetimes and may not write to objects saved by the forward.)"""
+    if torch.compiler.is_compiling():
+        return True
     fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if fn is None else bool(fn())
 
