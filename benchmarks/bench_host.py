@@ -5,7 +5,7 @@ whole transformer layer: te_parallel vs plain PyTorch vs NVIDIA TE (--layer).
 
     python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--floor] [--profile] [--json out.json]
     python benchmarks/bench_host.py --layer llama|gpt [--tokens 512,1024,2048,4096] [--recipe delayed|current|bf16]
-        [--calls 1] [--rounds 9] [--json out.json]
+        [--graph] [--calls 1] [--rounds 9] [--json out.json]
 
 Microseconds of host time per forward call, for `calls` calls issued back to back while the GPU is
 held busy by a sleep kernel, so the host never waits for the GPU and what is timed is only the work
@@ -26,7 +26,8 @@ h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1), batch 1 and each
 sequence: gradients cleared, forward (under fp8_autocast with --recipe delayed or current; te_parallel's
 FP8 weight copies dropped first, as after an optimizer step) and backward, for te_parallel, the plain
 PyTorch layer (bf16 + SDPA, whatever --recipe) and TE's TransformerLayer with the same config when
-transformer_engine is installed. Per step, milliseconds:
+transformer_engine is installed; with --graph, also te_parallel's layer captured by te.make_graphed_callables
+(a copy per token count; its host time is a graph launch per pass). Per step, milliseconds:
   host_ms  the host's time to issue the step, queued behind a GPU sleep (the host never waits);
   gpu_ms   the GPU's time to run the step's kernels, from CUDA events around the same queued step: the
            kernels run back to back, with no gap waiting for the host (they start after the sleep, from
@@ -156,10 +157,11 @@ def floor(m: int, k: int, n: int, a) -> None:
            None if a.json is None else os.path.splitext(a.json)[0] + "_floor.json")
 
 
-def layer_steps(cfg, layers, tokens: int, kind, device="cuda") -> dict:
+def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = False) -> dict:
     """{case: training step} of one layer on `tokens` tokens (batch 1): torch bf16, te_parallel and TE (when
-    built) in `kind` (None: bf16, "delayed", "current")."""
-    from bench_transformer import forward_kwargs, fp8_recipe
+    built) in `kind` (None: bf16, "delayed", "current"); with `graph`, also te_parallel's layer in a CUDA
+    graph (te.make_graphed_callables, a copy of the layer per token count: a capture keeps its shapes)."""
+    from bench_transformer import forward_kwargs, fp8_recipe, graphed_steps
 
     x = torch.randn(tokens, 1, cfg.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)  # [s, b, h]
     dy = torch.randn_like(x)
@@ -169,6 +171,8 @@ def layer_steps(cfg, layers, tokens: int, kind, device="cuda") -> dict:
              f"te {label}": training_step(layers.te, x, dy, fp8_recipe(kind), **fwd)}
     if layers.peer is not None:
         steps[f"TE {label}"] = te_training_step(layers.peer, x, dy, kind, **peer_fwd)
+    if graph:
+        steps.update(graphed_steps(cfg, layers, x, dy, fwd, device, kinds=(kind,)))
     return steps
 
 
@@ -202,7 +206,7 @@ def layer_mode(a) -> None:
     kind = None if a.recipe == "bf16" else a.recipe
     rows = []
     for tokens in a.tokens:
-        got = time_steps(layer_steps(cfg, layers, tokens, kind), a.calls, a.rounds)
+        got = time_steps(layer_steps(cfg, layers, tokens, kind, graph=a.graph), a.calls, a.rounds)
         base = got["torch bf16 + SDPA"]
         for name, (host, gpu, host_min, gpu_min, step) in got.items():
             rows.append({"tokens": tokens, "case": name, "host_ms": host, "gpu_ms": gpu, "step_ms": step,
@@ -230,10 +234,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--layer: token counts, comma-separated (default: 512,1024,2048,4096)")
     ap.add_argument("--recipe", choices=["delayed", "current", "bf16"], default=None,
                     help="--layer: te_parallel's and TE's precision (default: delayed)")
+    ap.add_argument("--graph", action="store_true",
+                    help="--layer: also te_parallel's layer in a CUDA graph (te.make_graphed_callables)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.layer is None:
-        for flag, value in (("--tokens", a.tokens), ("--recipe", a.recipe)):
+        for flag, value in (("--tokens", a.tokens), ("--recipe", a.recipe), ("--graph", a.graph or None)):
             if value is not None:
                 ap.error(f"{flag} goes with --layer llama|gpt")
         a.shape = a.shape or "128x1024x1024"
@@ -246,6 +252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 ap.error(f"{flag} times the Linear; run it without --layer")
         a.recipe = a.recipe or "delayed"
         a.tokens = _token_counts(ap, a.tokens or "512,1024,2048,4096", a.recipe)
+        if a.graph and a.recipe == "bf16":
+            ap.error("--graph times FP8 layers (make_graphed_callables' FP8 regions); use --recipe delayed or current")
     a.calls = a.calls if a.calls is not None else (20 if a.layer is None else 1)
     for flag, value in (("--calls", a.calls), ("--rounds", a.rounds)):
         if value < 1:

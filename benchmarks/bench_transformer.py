@@ -389,13 +389,13 @@ def counting_recompiles(step, record: dict):
     return _helpers_of(step, run)
 
 
-def graphed_steps(a, layers: Layers, x, dy, fwd: dict, device="cuda") -> dict:
+def graphed_steps(a, layers: Layers, x, dy, fwd: dict, device="cuda", kinds=("delayed", "current")) -> dict:
     """--graph's rows: te.make_graphed_callables(layer, fp8_enabled=True, fp8_recipe=...) over a te_parallel
     copy per FP8 recipe (its own copy: a replay reads and writes the FP8 state tensors it captured, which no
     eager row may replace under it), called outside fp8_autocast, gradients cleared by setting them to None.
     A recipe make_graphed_callables refuses (or a capture that fails) is left out with its reason printed."""
     steps = {}
-    for kind in ("delayed", "current"):
+    for kind in kinds:
         name, layer = f"te FP8 {kind}, CUDA graph", te_copy(a, layers, device)
         try:
             graphed = te.make_graphed_callables(WithKwargs(layer, fwd), (x,), fp8_enabled=True,
