@@ -44,15 +44,18 @@ class FP8Frame:
 class _PendingUpdates:
     """Delayed-scaling states whose amaxes were recorded and still await their update.
 
-    Keyed by (id(state), backward) so a module called several times in one pass updates once.
+    Keyed by (id(state), backward) so a module called several times in one pass updates once. The value
+    is [state, recipe, group, compiled]: compiled is True once a torch.compile graph recorded into the
+    state (its amaxes are then in the state's cells, folded into the history before the update).
     """
 
-    entries: Dict[Tuple[int, bool], Tuple[FP8ScalingState, DelayedScaling, Optional[dist.ProcessGroup]]] = field(
-        default_factory=dict
-    )
+    entries: Dict[Tuple[int, bool], list] = field(default_factory=dict)
 
-    def add(self, state: FP8ScalingState, recipe: DelayedScaling, group, backward: bool) -> None:
-        self.entries.setdefault((id(state), backward), (state, recipe, group))
+    def add(self, state: FP8ScalingState, recipe: DelayedScaling, group, backward: bool,
+            compiled: bool = False) -> None:
+        entry = self.entries.setdefault((id(state), backward), [state, recipe, group, compiled])
+        if compiled:
+            entry[3] = True
 
     def flush(self) -> None:
         entries, self.entries = self.entries, {}
@@ -99,16 +102,17 @@ def pop_frame() -> None:
     _TLS.frames.pop()
 
 
-def record_forward(state: FP8ScalingState, recipe: DelayedScaling, group) -> None:
-    """A module recorded forward amaxes into `state`; update it when the outermost region exits."""
-    _TLS.fwd.add(state, recipe, group, backward=False)
+def record_forward(state: FP8ScalingState, recipe: DelayedScaling, group, compiled: bool = False) -> None:
+    """A module recorded forward amaxes into `state`; update it when the outermost region exits.
+    compiled: recorded by a torch.compile graph (te_parallel.fp8.compiled)."""
+    _TLS.fwd.add(state, recipe, group, backward=False, compiled=compiled)
 
 
-def record_backward(state: FP8ScalingState, recipe: DelayedScaling, group) -> None:
+def record_backward(state: FP8ScalingState, recipe: DelayedScaling, group, compiled: bool = False) -> None:
     """Called from a backward: update `state`'s backward scales when this backward pass ends."""
     task = _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else -1
     with _BWD_LOCK:
-        _BWD.add(state, recipe, group, backward=True)
+        _BWD.add(state, recipe, group, backward=True, compiled=compiled)
         if _BWD_QUEUED[0] == task:
             return
         _BWD_QUEUED[0] = task
@@ -126,8 +130,9 @@ def _reduce_and_update(items) -> None:
     """One amax all-reduce per (group, direction), then one fused scale update per recipe."""
     if not items:
         return
+    _fold_compiled(items)
     by_group: Dict[Tuple[int, bool], list] = {}
-    for (_, backward), (state, recipe, group) in items:
+    for (_, backward), (state, recipe, group, _) in items:
         by_group.setdefault((id(group), backward), []).append((state, recipe, group))
     for (_, backward), members in by_group.items():
         group = members[0][2]
@@ -138,6 +143,21 @@ def _reduce_and_update(items) -> None:
             for row, part in zip(rows, torch.split(flat, [r.numel() for r in rows])):
                 row.copy_(part)
         _update_members(members, backward)
+
+
+def _fold_compiled(items) -> None:
+    """States a compiled graph recorded into: the history takes the recipe's length here (a graph never
+    sees it: te_parallel.fp8.state), then the graph's amaxes move into row 0 (two multi-tensor launches
+    for all of them)."""
+    rows, cells = [], []
+    for (_, backward), (state, recipe, _, compiled) in items:
+        if compiled:
+            state.ensure_history_len(recipe.amax_history_len, backward)
+            rows.append(state.tensors(backward)[0][0])
+            cells.append(state.compiled_tensors()[int(backward)])
+    if rows:
+        torch._foreach_maximum_(rows, cells)
+        torch._foreach_zero_(cells)
 
 
 def _update_members(members, backward: bool) -> None:
@@ -195,6 +215,11 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
         self.enabled, self.calibrating, self.fp8_recipe = enabled, calibrating, fp8_recipe
         self.fp8_group = amax_group("fp8_autocast", fp8_group)  # (a mesh's group is made once, kept on the mesh)
 
+    # Entering and leaving run eagerly even inside a torch.compile'd function (a graph break each): the
+    # region stack must hold this region when the graph's bookkeeping op runs (te_parallel.fp8.compiled),
+    # and the exit update is per-pass work that belongs outside graphs. Best: enter it around the
+    # compiled module, as in TE's examples (docs/compile.md).
+    @torch.compiler.disable
     def __enter__(self) -> None:
         if self.enabled:
             ok, reason = is_fp8_available(return_reason=True)
@@ -207,6 +232,7 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
             raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling), got {recipe!r}")
         _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group))
 
+    @torch.compiler.disable
     def __exit__(self, *exc) -> None:
         frames = _TLS.frames
         frames.pop()

@@ -17,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 
 from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8 import compiled as _compiled
 
 
 class _Stash:
@@ -78,8 +79,32 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
     """
     if distribute_saved_activations:
         raise NotImplementedError("te.checkpoint: distribute_saved_activations=True is not implemented; pass False")
+    if torch.compiler.is_compiling():
+        if get_rng_state_tracker is not None:
+            raise NotImplementedError("te.checkpoint under torch.compile: get_rng_state_tracker is not supported (a "
+                                      "graph cannot swap the tracker's RNG states); pass None, or run this region "
+                                      "eagerly (torch.compiler.disable)")
+        # In a graph the recompute is the compiler's (torch's checkpoint region, whose context may only be
+        # a selective-checkpoint policy: dynamo cannot trace the stash's record/replay contexts). Keeping
+        # the FP8 scales of the pass makes the recompute cast with the original pass's scales; the rest
+        # is recomputed from the same inputs.
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=_compiled_policy,
+                                                 **kwargs)
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
     stash = _Stash(_autocast.current_frame(), tracker)
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: (stash.recording(), stash.replay_context()), **kwargs)
+
+
+def _compiled_policy():
+    """torch's selective checkpoint policy of te.checkpoint in a graph: recompute everything but the FP8
+    scales of the pass (te_parallel.fp8.compiled's op, which also registers the state for the exit update:
+    run again in backward it would copy scales the exit update has changed, and register the state for a
+    forward update from inside backward)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is _compiled.PASS_SCALES else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

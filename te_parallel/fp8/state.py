@@ -17,10 +17,16 @@ length, keeping the most recent rows); a different number of slots is an error.
 `in_extra_state = True` (set by modules that write TE's checkpoint layout, e.g. the `transformer_engine`
 compat package): the owner carries this state in its `_extra_state` (te_parallel.fp8.te_extra_state), so
 these buffers stay out of `state_dict()`, and a checkpoint without them loads silently.
+
+Under torch.compile (te_parallel.fp8.compiled) the casts record their amaxes into `amax_cells` instead of
+history row 0, and the autocast bookkeeping folds the cells into row 0 before the update: the history
+never enters a graph, so its length (set by the recipe at the first autocast) cannot force a recompile,
+and no [L, n] history is copied back into its buffer by every graph that records one amax.
 """
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -54,6 +60,32 @@ class FP8ScalingState(nn.Module):
         # `slot_views`, valid while the buffers are the same tensor objects (every update is in place).
         self._views: dict = {}
         self.in_extra_state = False
+        self._make_compiled_tensors(self.fwd_scale.device)
+
+    def _make_compiled_tensors(self, device: torch.device) -> None:
+        """The tensors a compiled graph reads besides the scales (te_parallel.fp8.compiled): `amax_cells`,
+        the amaxes of the pass in progress ([2G] forward, [G] backward; zero between passes), and `ticket`,
+        an empty tensor that names this state to the bookkeeping op (a graph hands the op the ticket object
+        itself, and the ticket points back here). Plain attributes, not buffers: never in a state dict and
+        never compared or gathered as part of the state; `_apply` and `compiled_tensors` keep them on the
+        state's device."""
+        f32 = dict(dtype=torch.float32, device=device)
+        self.amax_cells = (torch.zeros(2 * self.num_gemms, **f32), torch.zeros(self.num_gemms, **f32))
+        self.ticket = torch.empty(0, dtype=torch.uint8, device=device)
+        self.ticket._te_fp8_state = weakref.ref(self)
+
+    def compiled_tensors(self):
+        """(forward cells, backward cells, ticket) on the scales' device (made again if something moved the
+        buffers without `_apply`, e.g. FSDP2 swapping `.data`)."""
+        if self.ticket.device != self.fwd_scale.device:
+            self._make_compiled_tensors(self.fwd_scale.device)
+        return (*self.amax_cells, self.ticket)
+
+    def __setstate__(self, state) -> None:
+        """A copy (deepcopy, pickle) gets its own cells and ticket: a copied ticket would still name the original."""
+        super().__setstate__(state)
+        if "fwd_scale" in self._buffers:
+            self._make_compiled_tensors(self.fwd_scale.device)
 
     def _apply(self, fn, recurse=True):
         """`module.to(dtype)` / `.half()` must not touch the scaling state: amaxes and scales stay fp32."""
@@ -62,6 +94,7 @@ class FP8ScalingState(nn.Module):
             t = getattr(self, name)
             if t.dtype != torch.float32:
                 setattr(self, name, t.to(torch.float32))
+        self._make_compiled_tensors(self.fwd_scale.device)  # (empty between passes: made anew, not moved)
         return self
 
     # slots -------------------------------------------------------------------------------
@@ -82,8 +115,14 @@ class FP8ScalingState(nn.Module):
     def slot_views(self, backward: bool, slot: int):
         """(scale [0-d view], amax cell [1-element view of history row 0]) of one slot, as a cast
         reads and writes them. The views are made once and reused while the buffers are the same
-        tensors: indexing a tensor costs microseconds of host time, twice per cast (bench_host.py)."""
+        tensors: indexing a tensor costs microseconds of host time, twice per cast (bench_host.py).
+        Under torch.compile the cell is in `amax_cells` (see the module doc), and nothing is cached: a
+        view costs nothing in a graph, and a dict written while tracing would be guarded on."""
         bufs = self._buffers
+        if torch.compiler.is_compiling():
+            cells = self.compiled_tensors()[int(backward)]
+            scale = bufs["bwd_scale" if backward else "fwd_scale"]
+            return scale[slot], cells[slot : slot + 1]
         hist = bufs["bwd_amax_history" if backward else "fwd_amax_history"]
         scale = bufs["bwd_scale" if backward else "fwd_scale"]
         hit = self._views.get((backward, slot))
@@ -102,12 +141,15 @@ class FP8ScalingState(nn.Module):
         """[forward, backward] updates so far (what `update_count` holds in a state dict)."""
         return list(self._count_host)
 
-    def ensure_history_len(self, length: int) -> None:
-        """Resize both histories to `length` rows, keeping the most recent rows."""
+    def ensure_history_len(self, length: int, backward: Optional[bool] = None) -> None:
+        """Resize both histories (or the backward / forward one only) to `length` rows, keeping the most
+        recent rows."""
         bufs = self._buffers  # (every forward asks: the usual answer must cost nothing)
         if bufs["fwd_amax_history"].shape[0] == length and bufs["bwd_amax_history"].shape[0] == length:
             return
-        for name in ("fwd_amax_history", "bwd_amax_history"):
+        names = ("fwd_amax_history", "bwd_amax_history") if backward is None else (
+            "bwd_amax_history" if backward else "fwd_amax_history",)
+        for name in names:
             hist = getattr(self, name)
             if hist.shape[0] == length:
                 continue
@@ -126,6 +168,8 @@ class FP8ScalingState(nn.Module):
                 t = getattr(self, name)
                 t.zero_() if "history" in name else t.fill_(1.0)
             self.update_count.zero_()
+            for cells in self.amax_cells:
+                cells.zero_()
         self._count_host = [0, 0]
 
     # checkpoints ---------------------------------------------------------------------------

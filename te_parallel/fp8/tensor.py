@@ -37,14 +37,15 @@ class Float8Tensor:
 
     def transposed(self) -> torch.Tensor:
         """The [cols, rows] contiguous copy, made on first use and kept (one-pass native kernel on CUDA;
-        torch's strided FP8 copy runs at a fraction of the bandwidth)."""
-        if self.data_t is None:
-            d = self.data
-            if native_cast.usable(d):
-                self.data_t = native_cast.transpose_fp8(d)
-            else:
-                self.data_t = d.t().contiguous()
-        return self.data_t
+        torch's strided FP8 copy runs at a fraction of the bandwidth). Under torch.compile it is not kept:
+        a backward that wrote it onto a tensor of its forward would be a side effect the graph cannot
+        hold, and the compiler shares one transpose between its uses anyway."""
+        if self.data_t is not None:
+            return self.data_t
+        data_t = _transpose(self.data)
+        if not torch.compiler.is_compiling():
+            self.data_t = data_t
+        return data_t
 
     def with_transpose(self) -> "Float8Tensor":
         """The same bytes with the transposed copy alongside, made now if missing, without storing it on
@@ -52,8 +53,12 @@ class Float8Tensor:
         if self.data_t is not None:
             return self
         other = Float8Tensor(self.data, self.scale_inv)
-        other.transposed()
+        other.data_t = other.transposed()
         return other
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+
+
+def _transpose(data: torch.Tensor) -> torch.Tensor:
+    return native_cast.transpose_fp8(data) if native_cast.usable(data) else data.t().contiguous()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8 import compiled as _compiled
 from te_parallel.fp8 import gemm_size
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.params import Float8Weight
@@ -140,8 +141,13 @@ class FP8Module(nn.Module):
         recipe, group = frame.recipe, self._fp8_group(frame)
         state = self._modules["fp8_state"]  # (not nn.Module.__getattr__: this runs on every forward)
         delayed = recipe.delayed()
+        compiling = torch.compiler.is_compiling()
         # delayed scaling: each backward cast asks for the backward scale update at the end of backward
-        done = functools.partial(_autocast.record_backward, state, recipe, group) if delayed else None
+        # (in a graph through the bookkeeping op: te_parallel.fp8.compiled)
+        done = None
+        if delayed:
+            done = (functools.partial(_compiled.backward_done, state) if compiling
+                    else functools.partial(_autocast.record_backward, state, recipe, group))
         stash = _autocast.checkpoint_stash()
         if stash is not None and stash.replaying:  # te.checkpoint's recompute: the original pass's scales, W
             scale, weight_q = stash.replay()
@@ -150,10 +156,13 @@ class FP8Module(nn.Module):
         if frame.enabled and weight.dtype == torch.float64:
             raise TypeError(f"{type(self).__name__}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64; "
                             f"convert the module with .to(torch.float32) or run it outside fp8_autocast")
-        if delayed:
+        scales = state
+        if delayed and compiling:  # (the history is sized by the exit update: a graph never sees it)
+            scales = _compiled.TracedScales(state, group)
+        elif delayed:
             state.ensure_history_len(recipe.amax_history_len)
             _autocast.record_forward(state, recipe, group)
-        cfg = GemmFP8(recipe, state, gemm, None, frame.enabled, group, backward_done=done)
+        cfg = GemmFP8(recipe, scales, gemm, None, frame.enabled, group, backward_done=done)
         if frame.enabled and isinstance(weight, Float8Weight):  # FP8 parameters: their bytes, no cast
             cfg.weight = weight_operand(type(self).__name__, weight, recipe)
         elif frame.enabled:
@@ -161,10 +170,12 @@ class FP8Module(nn.Module):
         else:
             cfg.record_weight_amax(weight)
         if stash is not None:
-            stash.record(state.fwd_scale if delayed else None, cfg.weight)
+            stash.record(scales.fwd_scale if delayed else None, cfg.weight)
         return cfg
 
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
+        if torch.compiler.is_compiling():
+            return self._cached_weight_compiled(cfg, params, weight, is_first_microbatch, amax_group)
         fmt = cfg.recipe.fp8_format
         key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, cfg.recipe.delayed())
         keep = (is_first_microbatch is not None or not torch.is_grad_enabled()
@@ -195,6 +206,26 @@ class FP8Module(nn.Module):
                 cfg.weight_src = weight
         return w_q
 
+    def _cached_weight_compiled(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
+        """_cached_weight in a torch.compile graph. The version counters cannot key a cache there: a graph
+        specialises on their values, so every optimizer step would recompile it. So without TE's micro-batch
+        flag the weight is cast in every forward, inside the graph (the same bytes as eager mode's in
+        training, where eager mode casts every forward too; a no_grad forward also casts, with the scale
+        it has now). is_first_microbatch keeps its meaning: True casts and keeps the cast, False reuses
+        it (the key holds no versions, so the graph for False reads nothing that changes per step). The
+        graph keeps W for backward itself (no WeightSource: its version check cannot be traced)."""
+        fmt = cfg.recipe.fp8_format
+        key = (None, fmt.fwd_dtype, cfg.recipe.delayed())
+        if is_first_microbatch is False and not self._always_recast:
+            hit = self._weight_cache.get(cfg.gemm)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        with torch.no_grad():
+            w_q = cfg.quantize_weight(weight.detach(), amax_group)
+        if is_first_microbatch is not None:
+            self._weight_cache[cfg.gemm] = (key, w_q)
+        return w_q
+
 
 class GemmModule(FP8Module, TensorParallelMixin):
     """Base of Linear, LayerNormLinear and LayerNormMLP: how each of their GEMMs is split over the TP
@@ -203,6 +234,13 @@ class GemmModule(FP8Module, TensorParallelMixin):
     def _check_tp_ready(self, device: torch.device) -> None:
         if not self._tp_checked:  # (the first forward's checks; a meta module fails them until materialised)
             check_materialized(self)
+        if torch.compiler.is_compiling():
+            # checked while tracing, and the flag left as it was: a graph guards on the flag it read, so
+            # flipping it here would make the next call recompile
+            checked = self._tp_checked
+            super()._check_tp_ready(device)
+            self._tp_checked = checked
+            return
         super()._check_tp_ready(device)
 
     def _linear_parallel(self, mode: Optional[str], inp: torch.Tensor, ub: Optional[UbSettings] = None,
@@ -213,9 +251,11 @@ class GemmModule(FP8Module, TensorParallelMixin):
             self._check_tp_ready(inp.device)
         fp8_gather = getattr(self, "fp8_all_gather", True)
         sum_bias = getattr(self, "allreduce_sp_grads", True)
-        # The same settings give the same (frozen) LinearParallel: made once, not per call.
+        # The same settings give the same (frozen) LinearParallel: made once, not per call. (While tracing it
+        # is made anew: it costs nothing in a graph, and a cache filled while tracing would be guarded on.)
         key = (mode, self.tp_group, self.sequence_parallel, fp8_gather, ub, sum_bias)
-        cache = self.__dict__.setdefault("_par_cache", {})
+        compiling = torch.compiler.is_compiling()
+        cache = {} if compiling else self.__dict__.setdefault("_par_cache", {})
         par = cache.get(key)
         if par is None:
             if ub is None:

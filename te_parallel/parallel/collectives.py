@@ -12,6 +12,11 @@ Shapes are per rank, tp = group size, s = sequence (dim 0, sequence parallelism 
 The plain helpers below (all_gather_dim0, reduce_scatter_dim0) move "a tensor" and know nothing
 of FP8; an FP8 gather moves the uint8 view of the bytes (communication stays apart from
 the FP8 math).
+
+Under torch.compile the helpers issue torch's functional collectives instead (the same
+collectives, as ops a graph can hold): a graph orders them itself, so `async_op` has no handle to
+give back (None) and the graph waits where the result is first used. Eagerly they are the
+torch.distributed calls, asynchronous where asked.
 """
 from __future__ import annotations
 
@@ -21,6 +26,11 @@ import torch
 import torch.distributed as dist
 
 from te_parallel.parallel.groups import check_scatter_dim, group_size
+
+try:
+    import torch.distributed._functional_collectives as funcol
+except ImportError:  # a torch built without distributed: no group has more than one rank
+    funcol = None
 
 Handle = Optional[dist.Work]
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.11 has only the old ones.
@@ -34,8 +44,12 @@ def all_gather_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple[tor
     tp = group_size(group)
     if tp == 1:
         return t, None
+    fp8 = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if torch.compiler.is_compiling():
+        out = funcol.all_gather_tensor(t.view(torch.uint8) if fp8 else t, 0, group)
+        return (out.view(t.dtype) if fp8 else out), None
     out = torch.empty((tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if fp8:
         handle = _all_gather(out.view(torch.uint8), t.view(torch.uint8), group=group, async_op=async_op)
     else:
         handle = _all_gather(out, t, group=group, async_op=async_op)
@@ -49,13 +63,19 @@ def reduce_scatter_dim0(t: torch.Tensor, group, async_op: bool = False) -> Tuple
         return t, None
     check_scatter_dim("reduce_scatter", t.shape[0], tp)
     t = t.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(t, "sum", 0, group), None
     out = torch.empty((t.shape[0] // tp, *t.shape[1:]), dtype=t.dtype, device=t.device)
     handle = _reduce_scatter(out, t, group=group, async_op=async_op)
     return out, handle
 
 
 def all_reduce(t: torch.Tensor, group, async_op: bool = False) -> Handle:
+    """Sum `t` over the group, in place."""
     if group_size(group) == 1:
+        return None
+    if torch.compiler.is_compiling():
+        t.copy_(funcol.all_reduce(t, "sum", group))
         return None
     return dist.all_reduce(t, group=group, async_op=async_op)
 

@@ -1,0 +1,138 @@
+"""Delayed scaling's per-pass bookkeeping inside torch.compile graphs.
+
+Eagerly, a module's forward tells the autocast region that its FP8 state recorded amaxes (the update
+then runs when the outermost region exits), and each backward cast does the same for the end of the
+backward pass (te_parallel.fp8.autocast). Both are Python side effects on containers that change from
+step to step, which a graph can neither hold (dynamo would guard on their contents and recompile) nor
+run in a traced backward. So a compiled graph calls opaque ops instead, which run the same Python
+bookkeeping when the graph runs:
+
+    forward   pass_scales(ticket, fwd scale, bwd scale, group)  -> autocast.record_forward, and copies
+                                                                    of the scales the casts use
+    backward  backward_cast_done(ticket, bwd cells)              -> autocast.record_backward
+
+The backward op reads the cells the gradient casts have just written (the amaxes of this pass,
+te_parallel.fp8.state): that dependency keeps it in the backward graph (an op that reads only forward
+inputs is moved into the forward by the partitioner). The ticket is the state's own empty tensor: graphs
+pass tensors through unchanged, so an op finds the state from it, and one graph serves every layer (no
+constant that differs per module, so nothing to guard on). The recipe is the innermost region's when
+the forward runs (as eagerly) and is kept on the state for its backward; the group travels by name.
+
+What runs where: casts, amax recording and GEMMs are in the graph; the amax all-reduce and the fused
+scale update run once per pass outside it, at the outermost autocast exit and at the end of backward,
+exactly as in eager mode (docs/compile.md).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8.state import FP8ScalingState
+
+__all__ = ["TracedScales", "backward_done"]
+
+# A CUDA graph would replay the kernels around these ops but not the ops themselves (they are host work):
+# the tag keeps inductor's CUDA graphs (mode="reduce-overhead") from capturing them.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("te_parallel_fp8::pass_scales", mutates_args=(), tags=_TAGS)
+def _pass_scales(ticket: torch.Tensor, fwd_scale: torch.Tensor, bwd_scale: torch.Tensor,
+                 group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    state = _owner(ticket)
+    frame = _autocast.current_frame()
+    if frame is None:
+        raise RuntimeError("a compiled FP8 forward ran outside fp8_autocast, but its graph was traced inside one; "
+                           "call it inside an fp8_autocast region")
+    pg = _group(group)
+    state.compiled_plan = (frame.recipe, pg)  # the backward's recipe is the forward's (TE's rule)
+    _autocast.record_forward(state, frame.recipe, pg, compiled=True)
+    return fwd_scale.clone(), bwd_scale.clone()
+
+
+@_pass_scales.register_fake
+def _(ticket, fwd_scale, bwd_scale, group):
+    return torch.empty_like(fwd_scale), torch.empty_like(bwd_scale)
+
+
+@torch.library.custom_op("te_parallel_fp8::backward_cast_done", mutates_args=(), tags=_TAGS)
+def _backward_cast_done(ticket: torch.Tensor, cells: torch.Tensor) -> None:
+    state = _owner(ticket)
+    recipe, pg = state.compiled_plan
+    _autocast.record_backward(state, recipe, pg, compiled=True)
+
+
+@_backward_cast_done.register_fake
+def _(ticket, cells):
+    return None
+
+
+PASS_SCALES = torch.ops.te_parallel_fp8.pass_scales.default
+
+# Neither op may be dropped or merged with another call: their point is what they do when they run.
+for _op in (torch.ops.te_parallel_fp8.pass_scales.default, torch.ops.te_parallel_fp8.backward_cast_done.default):
+    if hasattr(torch.fx.node, "has_side_effect"):
+        torch.fx.node.has_side_effect(_op)
+    else:  # (older torch)
+        torch.fx.node._side_effectful_functions.add(_op)
+
+
+def _owner(ticket: torch.Tensor) -> FP8ScalingState:
+    ref = getattr(ticket, "_te_fp8_state", None)
+    state = None if ref is None else ref()
+    if state is None or state.ticket is not ticket:
+        raise RuntimeError("te_parallel_fp8 op: its first argument is not the ticket of a live FP8 scaling "
+                           "state (FP8ScalingState.ticket); the ops are called by te_parallel's modules only")
+    return state
+
+
+def _group_name(group: Optional[dist.ProcessGroup]) -> str:
+    return "" if group is None else group.group_name
+
+
+def _group(name: str) -> Optional[dist.ProcessGroup]:
+    """The group of a name (the functional collectives' own look-up: an op's arguments cannot hold a
+    ProcessGroup on every torch this library supports)."""
+    if not name:
+        return None
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+class TracedScales:
+    """What a GEMM's FP8 plan (GemmFP8) asks of the module's scaling state, inside a compiled forward and
+    its backward: `slot_views(backward, slot)` -> (scale, amax cell). Made once per GEMM call, it also
+    registers the state for the exit update (the op above).
+
+    The scales are copies made when the graph's forward runs, the forward's and the backward's: the exit
+    update changes the state's forward scales in place before backward, and the end of another backward
+    (several forwards before their backwards: pipeline schedules) its backward scales; a graph may read
+    either in backward (the partitioner may re-derive a scale_inv there rather than keep it). So a
+    backward quantizes with the backward scales of its forward's time, eager mode's choice in the usual
+    schedule (each backward before the next forward). The cells are the state's (te_parallel.fp8.state).
+    """
+
+    __slots__ = ("scales", "cells")
+
+    def __init__(self, state: FP8ScalingState, group) -> None:
+        fwd_cells, bwd_cells, ticket = state.compiled_tensors()
+        self.scales = torch.ops.te_parallel_fp8.pass_scales(ticket, state.fwd_scale, state.bwd_scale,
+                                                            _group_name(group))
+        self.cells = (fwd_cells, bwd_cells)
+
+    @property
+    def fwd_scale(self) -> torch.Tensor:
+        return self.scales[0]
+
+    def slot_views(self, backward: bool, slot: int):
+        i = int(backward)
+        return self.scales[i][slot], self.cells[i][slot : slot + 1]
+
+
+def backward_done(state: FP8ScalingState) -> None:
+    """In a compiled backward, after a gradient cast (GemmFP8.backward_done): register `state` for the
+    update at the end of this backward pass."""
+    _, bwd, ticket = state.compiled_tensors()
+    torch.ops.te_parallel_fp8.backward_cast_done(ticket, bwd)
