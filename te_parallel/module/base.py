@@ -235,11 +235,11 @@ class GemmModule(FP8Module, TensorParallelMixin):
         if not self._tp_checked:  # (the first forward's checks; a meta module fails them until materialised)
             check_materialized(self)
         if torch.compiler.is_compiling():
-            # checked while tracing, and the flag left as it was: a graph guards on the flag it read, so
-            # flipping it here would make the next call recompile
-            checked = self._tp_checked
-            super()._check_tp_ready(device)
-            self._tp_checked = checked
+            # checked while tracing, and no flag written: a graph guards on the flag it read (flipping it
+            # would make the next call recompile), and a write is a side effect that a checkpointed region
+            # cannot trace
+            if not self._tp_checked:
+                self._tp_checks(device)
             return
         super()._check_tp_ready(device)
 

@@ -61,6 +61,11 @@ class TensorParallelMixin:
     def _check_tp_ready(self, device: torch.device) -> None:
         if self._tp_checked:
             return
+        self._tp_checks(device)
+        self._tp_checked = True
+
+    def _tp_checks(self, device: torch.device) -> None:
+        """The first forward's checks of the TP settings against the input's device (no state written)."""
         owner = type(self).__name__
         if self.tp_size > 1 and self.tp_group is None:
             raise RuntimeError(f"{owner}: built with tp_size={self.tp_size} but has no tp_group; call set_tensor_parallel_group(group) first")
@@ -69,7 +74,6 @@ class TensorParallelMixin:
         check_group_device(owner, self.tp_group, device)
         if device.type == "cuda" and self.tp_size > 1:
             _warn_connections()
-        self._tp_checked = True
 
 
 def _warn_connections() -> None:
