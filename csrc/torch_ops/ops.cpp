@@ -11,6 +11,7 @@
 // hold their CUDA kernels; their schemas are defined here too, and their CPU kernels (the PyTorch
 // references) and fake kernels are registered from Python.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -212,33 +213,37 @@ void gemm_into(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b, cons
                   " ", misalign(b_scale_inv.data_ptr()), ": ", tep_last_error());
 }
 
-void check_gemm_args(const char* op, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-                     const Tensor& b_scale_inv, ScalarType out_dtype, const std::optional<Tensor>& bias,
-                     const std::optional<Tensor>& accumulate) {
-  const int32_t dev = a.get_device_index();
-  const bool shapes = a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) &&
-                      ((a.size(0) | a.size(1) | b.size(0)) & 15) == 0;
-  const bool operands = a.is_cuda() && b.is_cuda() && b.get_device_index() == dev && is_fp8(a.scalar_type()) &&
-                        is_fp8(b.scalar_type()) &&
-                        !(a.scalar_type() == ScalarType::Float8_e5m2 && b.scalar_type() == ScalarType::Float8_e5m2) &&
-                        a.is_contiguous() && b.is_contiguous() && f32_cell(a_scale_inv, dev) &&
-                        f32_cell(b_scale_inv, dev) && is_high_precision(out_dtype);
+// The GEMM's checks from A's rows, columns and dtype (a fused op checks before it makes A, so that a
+// refused call has launched nothing).
+void check_gemm(const char* op, int64_t m, int64_t k, ScalarType a_dtype, int32_t dev, const Tensor& b,
+                const Tensor& b_scale_inv, ScalarType out_dtype, const std::optional<Tensor>& bias,
+                const std::optional<Tensor>& accumulate) {
+  const bool shapes = b.dim() == 2 && b.size(1) == k && ((m | k | b.size(0)) & 15) == 0;
+  const bool operands = b.is_cuda() && b.get_device_index() == dev && is_fp8(a_dtype) && is_fp8(b.scalar_type()) &&
+                        !(a_dtype == ScalarType::Float8_e5m2 && b.scalar_type() == ScalarType::Float8_e5m2) &&
+                        b.is_contiguous() && f32_cell(b_scale_inv, dev) && is_high_precision(out_dtype);
   const bool extras =
       (!bias.has_value() || (bias->dim() == 1 && shapes && bias->size(0) == b.size(0) &&
                              bias->scalar_type() == out_dtype && bias->is_contiguous() && bias->is_cuda())) &&
-      (!accumulate.has_value() || (accumulate->dim() == 2 && shapes && accumulate->size(0) == a.size(0) &&
+      (!accumulate.has_value() || (accumulate->dim() == 2 && shapes && accumulate->size(0) == m &&
                                    accumulate->size(1) == b.size(0) && accumulate->scalar_type() == out_dtype &&
                                    accumulate->is_contiguous() && accumulate->is_cuda()));
   STD_TORCH_CHECK(shapes && operands && extras, op,
                   ": need FP8 a [m, k] and b [n, k] (not both E5M2), m, n, k multiples of 16, contiguous on one GPU, "
                   "fp32 scalar scales, a high-precision out dtype, bias [n] and accumulate [m, n] of that dtype; got "
-                  "a of ", a.dim(), " dims, b of ", b.dim(), " dims");
+                  "a [", m, ", ", k, "] and b of ", b.dim(), " dims", b.dim() == 2 ? " [" : "",
+                  b.dim() == 2 ? b.size(0) : 0, b.dim() == 2 ? ", " : "", b.dim() == 2 ? b.size(1) : 0,
+                  b.dim() == 2 ? "]" : "");
 }
 
 // te_parallel::fp8_gemm: out[m, n] = a_scale_inv·b_scale_inv · a[m, k]·b[n, k]ᵀ (+ bias[n]) (+ accumulate).
 Tensor fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype,
                 std::optional<Tensor> bias, std::optional<Tensor> accumulate, bool fast_accum) {
-  check_gemm_args("te_parallel::fp8_gemm", a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate);
+  STD_TORCH_CHECK(a.is_cuda() && a.dim() == 2 && a.is_contiguous() && f32_cell(a_scale_inv, a.get_device_index()),
+                  "te_parallel::fp8_gemm: need a contiguous 2-D CUDA a with a 1-element fp32 a_scale_inv on its device; "
+                  "got a of ", a.dim(), " dims, contiguous=", a.is_contiguous());
+  check_gemm("te_parallel::fp8_gemm", a.size(0), a.size(1), a.scalar_type(), a.get_device_index(), b, b_scale_inv,
+             out_dtype, bias, accumulate);
   OnDevice on(a);
   Tensor out = empty_like_dev(a, {a.size(0), b.size(0)}, out_dtype);
   gemm_into(a, a_scale_inv, b, b_scale_inv, bias, accumulate, out, fast_accum, on.stream);
@@ -253,13 +258,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> linear_fp8_fwd(Tensor x, std::optiona
                                                           bool x_transpose, Tensor w, Tensor w_scale_inv,
                                                           std::optional<Tensor> bias, bool fast_accum) {
   check_cast_args("te_parallel::linear_fp8_fwd", x, x_scale, x_amax, x_fp8_dtype, true, x_transpose);
-  STD_TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "te_parallel::linear_fp8_fwd: w must be [N, ", x.size(1),
-                  "], got ", w.dim(), " dims");
+  check_gemm("te_parallel::linear_fp8_fwd", x.size(0), x.size(1), x_fp8_dtype, x.get_device_index(), w, w_scale_inv,
+             x.scalar_type(), bias, std::nullopt);
   OnDevice on(x);
   auto [data, data_t, scale_inv, unused] =
       cast_into(x, x_scale, x_amax, x_fp8_dtype, true, x_transpose, false, on.stream);
-  check_gemm_args("te_parallel::linear_fp8_fwd", data, scale_inv, w, w_scale_inv, x.scalar_type(), bias,
-                  std::nullopt);
   Tensor y = empty_like_dev(x, {x.size(0), w.size(0)}, x.scalar_type());
   gemm_into(data, scale_inv, w, w_scale_inv, bias, std::nullopt, y, fast_accum, on.stream);
   return {y, data, data_t, scale_inv};

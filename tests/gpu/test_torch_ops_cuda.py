@@ -143,3 +143,14 @@ def test_ops_capture_in_cuda_graph(ops):
     want = torch_ops.linear_fp8_fwd(x, scale, want_amax, E4M3, True, w, one, None, False)[0]
     torch.cuda.synchronize()
     assert torch.equal(y, want) and torch.equal(amax, want_amax)
+
+
+def test_refused_linear_launches_nothing(ops):
+    """A weight the GEMM cannot take is refused before the cast runs: the amax cell is left as it was."""
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(24, 128, device="cuda").to(E4M3)  # 24 output features: not a multiple of 16
+    amax, one = torch.full((1,), 0.5, device="cuda"), torch.ones((), device="cuda")
+    with pytest.raises(RuntimeError, match=r"te_parallel::linear_fp8_fwd: need FP8 a \[m, k\].*b of 2 dims \[24, 128\]"):
+        torch_ops.linear_fp8_fwd(x, one, amax, E4M3, True, w, one, None, False)
+    torch.cuda.synchronize()
+    assert amax.item() == 0.5
