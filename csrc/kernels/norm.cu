@@ -1,242 +1,214 @@
-// LayerNorm / RMSNorm forward (C API and math: te_parallel/norm.h; chunks and thread ownership:
-// norm_common.cuh).
+// LayerNorm / RMSNorm forward (C API and math: te_parallel/norm.h; chunks: norm_common.cuh).
 //
-// hidden <= 16384: a row stays in registers (kVecs = 1, 2 or 4 chunks per thread); rows of fewer than
-//   256 threads share a block (threadIdx.y = row slot). Statistics are two-pass over the registers
-//   (mean, then mean of squared deviations): no E[x^2] - mu^2 cancellation. Wider rows take a looped
-//   kernel that re-reads the row from L2 for each pass (one block per row).
-// FP8 output: the transposed copy is made from the FP8 output by a 64x64-tile byte transpose
-//   (1 byte read + 1 written per element): a row-wise kernel cannot write columns coalesced, and a
-//   tile of whole rows does not fit in shared memory for the hidden sizes that matter.
+// Two kernels on the caller's stream:
+//   1. statistics: one warp per row reads the row in chunks of 8 (lane l owns chunks l, l + 32, ...)
+//      and writes mu (LayerNorm) and rsigma. Two passes over the row for LayerNorm (mean, then mean of
+//      squared deviations: no E[x^2] - mu^2 cancellation); the second re-reads the row from L1/L2.
+//   2. normalize: the 64x128 thread tiles of the FP8 cast (fp8_tile.cuh) read x again (mostly from L2)
+//      and write y in the output dtype; an FP8 output also gets its transposed copy from the same
+//      registers (no separate transpose pass) and its amax.
+// Every element of y is computed by the same instructions for every output dtype and layout, so the
+// FP8 bytes are the quantization of the fp32 output, and the bits depend only on (rows, hidden) and
+// the data (the chunk ownership and the summation order do not depend on pointer alignment).
+#include "fp8_tile.cuh"
 #include "norm_common.cuh"
 
 namespace {
 
 using namespace tep::norm;  // NOLINT: this file's kernels are built from those pieces
+namespace tile = tep::tile;
 
-// ------------------------------------------------------------------------------------------------
-// Forward
+constexpr int kStatWarps = 8;  // rows per block of the statistics kernel
+constexpr int kStatUnroll = 4;  // chunks a lane loads before it adds them (loads in flight)
 
-struct FwdArgs {
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);  // every lane: same bits
+  return v;
+}
+
+// sum over the lane's chunks of f(element), in chunk order; padding past `hidden` is skipped.
+template <typename T, typename F>
+__device__ __forceinline__ float lane_sum(const T* __restrict__ xr, int64_t hidden, int64_t nchunks, bool vec,
+                                          F f) {
+  const int lane = threadIdx.x & 31;
+  float s = 0.f;
+  for (int64_t c0 = lane; c0 < nchunks; c0 += 32 * kStatUnroll) {
+    float v[kStatUnroll][kVec];
+#pragma unroll
+    for (int j = 0; j < kStatUnroll; ++j) {
+      const int64_t c = c0 + 32 * j;
+      if (c < nchunks) {
+        load_chunk(xr, c * kVec, hidden, vec, v[j]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[j][k] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kStatUnroll; ++j)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k)
+        if ((c0 + 32 * j) * kVec + k < hidden) s += f(v[j][k]);
+  }
+  return s;
+}
+
+template <typename T, bool kRms>
+__global__ void __launch_bounds__(32 * kStatWarps) norm_stats_kernel(const T* __restrict__ x, int64_t rows,
+                                                                      int64_t hidden, float eps, bool vec,
+                                                                      float* __restrict__ mu,
+                                                                      float* __restrict__ rsigma) {
+  const int64_t nchunks = (hidden + kVec - 1) / kVec;
+  const float fh = static_cast<float>(hidden);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kStatWarps;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kStatWarps + (threadIdx.x >> 5); row < rows; row += stride) {
+    const T* xr = x + row * hidden;
+    float m = 0.f, var;
+    if constexpr (kRms) {
+      var = warp_sum(lane_sum(xr, hidden, nchunks, vec, [](float v) { return v * v; })) / fh;
+    } else {
+      m = warp_sum(lane_sum(xr, hidden, nchunks, vec, [](float v) { return v; })) / fh;
+      var = warp_sum(lane_sum(xr, hidden, nchunks, vec, [m](float v) {
+              const float t = v - m;
+              return t * t;
+            })) / fh;
+    }
+    if ((threadIdx.x & 31) == 0) {
+      if (!kRms) mu[row] = m;
+      rsigma[row] = rsqrtf(var + eps);
+    }
+  }
+}
+
+struct TileArgs {
   const void* x;
-  void* out;
   const void* gamma;
-  const void* beta;  // NULL: no bias
-  const float* scale;
-  float* amax;
-  float* mu;
-  float* rsigma;
-  int64_t rows, hidden;
-  float eps;
-  int w_dtype, out_dtype;
-  bool zero_centered, vec;
+  const void* beta;  // NULL: no bias (always for RMSNorm)
+  const float* mu;   // LayerNorm
+  const float* rsigma;
+  const float* scale;  // FP8 output
+  void* out;
+  uint8_t* out_t;  // FP8 output only; NULL: none
+  float* amax;     // NULL: none
+  int64_t rows, cols;
+  int w_dtype;
+  bool zero_centered, vec_in, vec_out, vec_out_t, vec_w;
 };
 
-// y of one chunk (the same instructions for every output dtype), and the running max |y|.
+// y of one element: explicit roundings (no FMA contraction that could differ between instantiations).
 template <bool kRms>
-__device__ __forceinline__ void normalize_chunk(const FwdArgs& a, const float (&v)[kVec], int64_t col, float mu,
-                                                float rs, float (&y)[kVec], float& amax_local) {
+__device__ __forceinline__ float norm_value(float v, float mu, float rs, float g, float b) {
+  return kRms ? __fmul_rn(__fmul_rn(v, rs), g) : __fmaf_rn(__fmul_rn(__fsub_rn(v, mu), rs), g, b);
+}
+
+template <int kOut>
+using OutT = typename std::conditional<kOut == TEP_FLOAT32, float,
+             typename std::conditional<kOut == TEP_FLOAT16, __half, __nv_bfloat16>::type>::type;
+
+__host__ __device__ constexpr bool out_is_fp8(int out) { return out == TEP_FLOAT8_E4M3 || out == TEP_FLOAT8_E5M2; }
+__host__ __device__ constexpr __nv_fp8_interpretation_t fp8_fmt(int out) { return out == TEP_FLOAT8_E5M2 ? __NV_E5M2 : __NV_E4M3; }
+
+// y = norm(x) with the row statistics of norm_stats_kernel, written in out's dtype (kOut, a tep_dtype);
+// FP8: fp8(y * scale) row-major and, when out_t is given, transposed; amax of y.
+template <typename T, bool kRms, int kOut>
+__global__ void __launch_bounds__(tile::kThreads) norm_tile_kernel(TileArgs a) {
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t rows = a.rows, cols = a.cols;
+  float scale = 1.f;
+  if constexpr (out_is_fp8(kOut)) scale = *a.scale;
+  float local_max = 0.f;
+  // this thread's 8 columns: the same in every row tile
+  const int64_t c0 = tile::thread_pos(0).c0;
   float g[kVec], b[kVec];
-  load_chunk_any(a.gamma, a.w_dtype, col, a.hidden, a.vec, g);
-  if (!kRms && a.beta != nullptr) {
-    load_chunk_any(a.beta, a.w_dtype, col, a.hidden, a.vec, b);
-  } else {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) b[k] = 0.f;
+  for (int k = 0; k < kVec; ++k) g[k] = b[k] = 0.f;
+  if (c0 < cols) {
+    load_chunk_any(a.gamma, a.w_dtype, c0, cols, a.vec_w, g);
+    if (!kRms && a.beta != nullptr) load_chunk_any(a.beta, a.w_dtype, c0, cols, a.vec_w, b);
   }
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    const float gk = a.zero_centered ? __fadd_rn(g[k], 1.f) : g[k];
-    // Explicit roundings: no FMA contraction that could differ between instantiations.
-    y[k] = kRms ? __fmul_rn(__fmul_rn(v[k], rs), gk) : __fmaf_rn(__fmul_rn(__fsub_rn(v[k], mu), rs), gk, b[k]);
-    if (col + k < a.hidden) amax_local = nan_max(amax_local, fabsf(y[k]));
-  }
-}
-
-template <bool kRms>
-__device__ __forceinline__ void write_stats(const FwdArgs& a, int64_t row, float mu, float rs) {
-  if (!kRms && a.mu != nullptr) a.mu[row] = mu;
-  if (a.rsigma != nullptr) a.rsigma[row] = rs;
-}
-
-// Row in registers: kVecs chunks per thread. blockDim = (tpr, rows per block).
-template <typename T, bool kRms, int kVecs>
-__global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs a) {
-  __shared__ float2 red[kMaxWarps];
-  __shared__ float amax_buf[kMaxWarps];
-  const T* x = static_cast<const T*>(a.x);
-  const int64_t hidden = a.hidden, nchunks = (hidden + kVec - 1) / kVec;
-  const float fh = static_cast<float>(hidden);
-  const float scale = a.out_dtype >= TEP_FLOAT8_E4M3 ? *a.scale : 1.f;
-  float amax_local = 0.f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows; base += stride) {
-    const int64_t row = base + threadIdx.y;
-    const bool valid = row < a.rows;  // invalid slots still join the barriers
-    const T* xr = x + (valid ? row : 0) * hidden;
-    float v[kVecs][kVec];
-    float2 s = make_float2(0.f, 0.f);
+  for (int k = 0; k < kVec; ++k) g[k] = a.zero_centered ? __fadd_rn(g[k], 1.f) : g[k];
+  const int64_t row_tiles = (rows + tile::kBlockRows - 1) / tile::kBlockRows;
+  for (int64_t rt = blockIdx.y; rt < row_tiles && c0 < cols; rt += gridDim.y) {
+    const int64_t r0 = tile::thread_pos(rt).r0;
+    if (r0 >= rows) continue;
+    float mu[kVec], rs[kVec];
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      if (valid && c < nchunks) {
-        load_chunk(xr, c * kVec, hidden, a.vec, v[i]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) v[i][k] = 0.f;
-      }
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) s.x += kRms ? v[i][k] * v[i][k] : v[i][k];  // padding is 0
+    for (int i = 0; i < kVec; ++i) {
+      const bool in = r0 + i < rows;
+      rs[i] = in ? a.rsigma[r0 + i] : 0.f;
+      mu[i] = (!kRms && in) ? a.mu[r0 + i] : 0.f;
     }
-    float mu = 0.f, rs;
-    if constexpr (kRms) {
-      rs = rsqrtf(row_sum2(s, red).x / fh + a.eps);
-    } else {
-      mu = row_sum2(s, red).x / fh;
-      float2 d = make_float2(0.f, 0.f);
+    if (a.vec_in && tile::full_tile(rows, r0, c0, cols)) {
+      tile::Raw8<T> raw[tile::kSub];
+      tile::load_rows(x, cols, r0, c0, raw);
+      float v[tile::kSub][tile::kSub];
 #pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      for (int i = 0; i < tile::kSub; ++i)
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          const float t = (valid && c * kVec + k < hidden) ? v[i][k] - mu : 0.f;
-          d.x += t * t;
+        for (int k = 0; k < tile::kSub; ++k) v[i][k] = norm_value<kRms>(raw[i][k], mu[i], rs[i], g[k], b[k]);
+      if constexpr (out_is_fp8(kOut)) {
+        local_max = tile::abs_max(v, local_max);
+        uint32_t w[tile::kSub][2];
+        tile::pack_fp8<fp8_fmt(kOut)>(v, scale, w);
+        tile::store_fp8_full(w, static_cast<uint8_t*>(a.out), a.out_t, rows, cols, r0, c0, a.vec_out, a.vec_out_t);
+      } else {
+        tile::store_rows(static_cast<OutT<kOut>*>(a.out), cols, r0, c0, a.vec_out, v);
+      }
+    } else {  // edge sub-tiles and unaligned layouts: one element at a time, the same instructions
+#pragma unroll 1
+      for (int i = 0; i < tile::kSub && r0 + i < rows; ++i) {
+#pragma unroll 1
+        for (int k = 0; k < tile::kSub && c0 + k < cols; ++k) {
+          const int64_t r = r0 + i, c = c0 + k;
+          const float y = norm_value<kRms>(to_float(x[r * cols + c]), mu[i], rs[i], g[k], b[k]);
+          if constexpr (out_is_fp8(kOut)) {
+            local_max = nan_max(local_max, fabsf(y));
+            const uint8_t q = tile::fp8_byte<fp8_fmt(kOut)>(y * scale);
+            static_cast<uint8_t*>(a.out)[r * cols + c] = q;
+            if (a.out_t != nullptr) a.out_t[c * rows + r] = q;
+          } else {
+            static_cast<OutT<kOut>*>(a.out)[r * cols + c] = from_float<OutT<kOut>>(y);
+          }
         }
       }
-      rs = rsqrtf(row_sum2(d, red).x / fh + a.eps);
-    }
-    if (!valid) continue;
-    if (threadIdx.x == 0) write_stats<kRms>(a, row, mu, rs);
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      if (c >= nchunks) continue;
-      float y[kVec];
-      normalize_chunk<kRms>(a, v[i], c * kVec, mu, rs, y, amax_local);
-      store_out(a.out, a.out_dtype, row * hidden, c * kVec, hidden, a.vec, y, scale);
     }
   }
-  if (a.amax != nullptr) block_amax(amax_local, a.amax, amax_buf);
-}
-
-// Rows wider than the register kernels hold: one block per row, each pass re-reads x (from L2).
-template <typename T, bool kRms>
-__global__ void __launch_bounds__(kMaxThreads) norm_fwd_looped_kernel(FwdArgs a) {
-  __shared__ float2 red[kMaxWarps];
-  __shared__ float amax_buf[kMaxWarps];
-  const T* x = static_cast<const T*>(a.x);
-  const int64_t hidden = a.hidden, nchunks = (hidden + kVec - 1) / kVec;
-  const float fh = static_cast<float>(hidden);
-  const float scale = a.out_dtype >= TEP_FLOAT8_E4M3 ? *a.scale : 1.f;
-  float amax_local = 0.f;
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {  // uniform over the block
-    const T* xr = x + row * hidden;
-    float2 s = make_float2(0.f, 0.f);
-    for (int64_t c = threadIdx.x; c < nchunks; c += blockDim.x) {
-      float v[kVec];
-      load_chunk(xr, c * kVec, hidden, a.vec, v);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) s.x += kRms ? v[k] * v[k] : v[k];
-    }
-    float mu = 0.f, rs;
-    if constexpr (kRms) {
-      rs = rsqrtf(row_sum2(s, red).x / fh + a.eps);
-    } else {
-      mu = row_sum2(s, red).x / fh;
-      float2 d = make_float2(0.f, 0.f);
-      for (int64_t c = threadIdx.x; c < nchunks; c += blockDim.x) {
-        float v[kVec];
-        load_chunk(xr, c * kVec, hidden, a.vec, v);
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          const float t = c * kVec + k < hidden ? v[k] - mu : 0.f;
-          d.x += t * t;
-        }
-      }
-      rs = rsqrtf(row_sum2(d, red).x / fh + a.eps);
-    }
-    if (threadIdx.x == 0) write_stats<kRms>(a, row, mu, rs);
-    for (int64_t c = threadIdx.x; c < nchunks; c += blockDim.x) {
-      float v[kVec], y[kVec];
-      load_chunk(xr, c * kVec, hidden, a.vec, v);
-      normalize_chunk<kRms>(a, v, c * kVec, mu, rs, y, amax_local);
-      store_out(a.out, a.out_dtype, row * hidden, c * kVec, hidden, a.vec, y, scale);
-    }
-  }
-  if (a.amax != nullptr) block_amax(amax_local, a.amax, amax_buf);
-}
-
-// out_t[j, i] = in[i, j] for bytes: 64x64 tiles through shared memory, 8-byte loads and stores where
-// the layout allows (as in cast_transpose.cu).
-__global__ void __launch_bounds__(256) transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t rows,
-                                                              int64_t cols, uint8_t* __restrict__ out_t,
-                                                              bool vec_in, bool vec_out) {
-  __shared__ uint8_t tile[kTile][kTile + 8];
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t row_tiles = (rows + kTile - 1) / kTile;
-  for (int64_t ty = blockIdx.y; ty < row_tiles; ty += gridDim.y) {  // uniform over the block
-    const int64_t row0 = ty * kTile;
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      const int v = threadIdx.x + g * 256;  // 512 groups of 8 per tile
-      const int r = v / (kTile / kVec), c = (v % (kTile / kVec)) * kVec;
-      const int64_t gr = row0 + r, gc = col0 + c;
-      alignas(8) uint8_t q[kVec];
-      if (gr < rows && gc + kVec <= cols && vec_in) {
-        *reinterpret_cast<uint2*>(q) = *reinterpret_cast<const uint2*>(in + gr * cols + gc);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) q[k] = (gr < rows && gc + k < cols) ? in[gr * cols + gc + k] : 0;
-      }
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) tile[r][c + k] = q[k];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      const int v = threadIdx.x + g * 256;
-      const int c = v / (kTile / kVec), r = (v % (kTile / kVec)) * kVec;  // column c, rows r..r+7
-      const int64_t gc = col0 + c, gr = row0 + r;
-      if (gc >= cols) continue;
-      alignas(8) uint8_t q[kVec];
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) q[k] = tile[r + k][c];
-      if (gr + kVec <= rows && vec_out) {
-        *reinterpret_cast<uint2*>(out_t + gc * rows + gr) = *reinterpret_cast<const uint2*>(q);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k)
-          if (gr + k < rows) out_t[gc * rows + gr + k] = q[k];
-      }
-    }
-    __syncthreads();  // the next tile overwrites `tile`
-  }
+  if (out_is_fp8(kOut) && a.amax != nullptr) tile::block_amax_atomic(local_max, a.amax);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Host side
 
-constexpr int kFwdCaps[3] = {128, 256, 512};  // hidden <= 16384 in registers
+template <typename T, bool kRms>
+void launch_stats(const T* x, int64_t rows, int64_t hidden, float eps, float* mu, float* rsigma, cudaStream_t s) {
+  const bool vec = hidden % kVec == 0 && aligned(x, 16);
+  const unsigned grid = grid_for(rows, kStatWarps);
+  norm_stats_kernel<T, kRms><<<grid, 32 * kStatWarps, 0, s>>>(x, rows, hidden, eps, vec, mu, rsigma);
+}
 
 template <typename T, bool kRms>
-void launch_fwd(const FwdArgs& a, cudaStream_t stream) {
-  const RowShape sh = row_shape(a.hidden, kFwdCaps);
-  const dim3 block(sh.tpr, sh.rpc);
-  const unsigned grid = grid_for(a.rows, sh.rpc);
-  switch (sh.vecs) {
-    case 1: norm_fwd_kernel<T, kRms, 1><<<grid, block, 0, stream>>>(a); break;
-    case 2: norm_fwd_kernel<T, kRms, 2><<<grid, block, 0, stream>>>(a); break;
-    case 4: norm_fwd_kernel<T, kRms, 4><<<grid, block, 0, stream>>>(a); break;
-    default: norm_fwd_looped_kernel<T, kRms><<<grid, block, 0, stream>>>(a); break;
+void launch_tile(const TileArgs& a, int out_dtype, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>((a.cols + tile::kBlockCols - 1) / tile::kBlockCols), tile::grid_y(a.rows));
+  switch (out_dtype) {
+    case TEP_FLOAT32: norm_tile_kernel<T, kRms, TEP_FLOAT32><<<grid, tile::kThreads, 0, s>>>(a); break;
+    case TEP_FLOAT16: norm_tile_kernel<T, kRms, TEP_FLOAT16><<<grid, tile::kThreads, 0, s>>>(a); break;
+    case TEP_BFLOAT16: norm_tile_kernel<T, kRms, TEP_BFLOAT16><<<grid, tile::kThreads, 0, s>>>(a); break;
+    case TEP_FLOAT8_E4M3: norm_tile_kernel<T, kRms, TEP_FLOAT8_E4M3><<<grid, tile::kThreads, 0, s>>>(a); break;
+    default: norm_tile_kernel<T, kRms, TEP_FLOAT8_E5M2><<<grid, tile::kThreads, 0, s>>>(a); break;
   }
 }
 
 template <typename T>
-void launch_fwd_for(bool rms, const FwdArgs& a, cudaStream_t s) {
+void launch_fwd(bool rms, const TileArgs& a, float eps, int out_dtype, float* mu, float* rsigma, cudaStream_t s) {
+  const T* x = static_cast<const T*>(a.x);
   if (rms) {
-    launch_fwd<T, true>(a, s);
+    launch_stats<T, true>(x, a.rows, a.cols, eps, mu, rsigma, s);
+    launch_tile<T, true>(a, out_dtype, s);
   } else {
-    launch_fwd<T, false>(a, s);
+    launch_stats<T, false>(x, a.rows, a.cols, eps, mu, rsigma, s);
+    launch_tile<T, false>(a, out_dtype, s);
   }
 }
 
@@ -262,36 +234,43 @@ extern "C" tep_status tep_norm_fwd(const tep_norm_params* p, const void* x, int 
                    fn, out_dtype);
     return TEP_ERROR_INVALID_ARGUMENT;
   }
-  FwdArgs a;
+  auto s = static_cast<cudaStream_t>(stream);
+  // The statistics pass hands mu / rsigma to the normalize pass: stream-ordered scratch where the
+  // caller does not want them.
+  float* scratch = nullptr;
+  if (rsigma == nullptr || (!rms && mu == nullptr)) {
+    const size_t bytes = static_cast<size_t>(p->rows) * sizeof(float) * (rms ? 1 : 2);
+    const cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, s);
+    if (err != cudaSuccess) return cuda_failed("tep_norm_fwd: stream-ordered scratch for the row statistics", err);
+    if (rsigma == nullptr) rsigma = scratch;
+    if (!rms && mu == nullptr) mu = scratch + p->rows;
+  }
+  TileArgs a;
   a.x = x;
-  a.out = out;
   a.gamma = p->gamma;
   a.beta = rms ? nullptr : p->beta;
-  a.scale = scale;
-  a.amax = amax;
   a.mu = mu;
   a.rsigma = rsigma;
+  a.scale = scale;
+  a.out = out;
+  a.out_t = static_cast<uint8_t*>(out_t);
+  a.amax = is_fp8(out_dtype) ? amax : nullptr;
   a.rows = p->rows;
-  a.hidden = p->hidden;
-  a.eps = p->eps;
+  a.cols = p->hidden;
   a.w_dtype = p->w_dtype;
-  a.out_dtype = out_dtype;
   a.zero_centered = p->zero_centered_gamma != 0;
-  a.vec = p->hidden % kVec == 0 && aligned(x, 16) && aligned(p->gamma, 16) &&
-          (a.beta == nullptr || aligned(a.beta, 16)) && aligned(out, is_fp8(out_dtype) ? 8 : 16);
-  auto s = static_cast<cudaStream_t>(stream);
+  a.vec_in = p->hidden % kVec == 0 && aligned(x, 16);
+  a.vec_out = p->hidden % kVec == 0 && aligned(out, is_fp8(out_dtype) ? 8 : 16);
+  a.vec_out_t = p->rows % kVec == 0 && (out_t == nullptr || aligned(out_t, 8));
+  a.vec_w = p->hidden % kVec == 0 && aligned(p->gamma, 16) && (a.beta == nullptr || aligned(a.beta, 16));
   switch (x_dtype) {
-    case TEP_FLOAT16: launch_fwd_for<__half>(rms, a, s); break;
-    case TEP_BFLOAT16: launch_fwd_for<__nv_bfloat16>(rms, a, s); break;
-    default: launch_fwd_for<float>(rms, a, s); break;
+    case TEP_FLOAT16: launch_fwd<__half>(rms, a, p->eps, out_dtype, mu, rsigma, s); break;
+    case TEP_BFLOAT16: launch_fwd<__nv_bfloat16>(rms, a, p->eps, out_dtype, mu, rsigma, s); break;
+    default: launch_fwd<float>(rms, a, p->eps, out_dtype, mu, rsigma, s); break;
   }
-  if (out_t != nullptr) {
-    const int64_t rows = p->rows, cols = p->hidden;
-    const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile),
-                    static_cast<unsigned>(std::min<int64_t>((rows + kTile - 1) / kTile, 65535)));
-    transpose_bytes_kernel<<<grid, 256, 0, s>>>(static_cast<const uint8_t*>(out), rows, cols,
-                                                static_cast<uint8_t*>(out_t), cols % kVec == 0 && aligned(out, 8),
-                                                rows % kVec == 0 && aligned(out_t, 8));
+  if (scratch != nullptr) {
+    const cudaError_t err = cudaFreeAsync(scratch, s);
+    if (err != cudaSuccess) return cuda_failed("tep_norm_fwd: freeing the statistics scratch", err);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {

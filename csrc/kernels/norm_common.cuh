@@ -29,7 +29,6 @@ constexpr int kMaxWarps = kMaxThreads / 32;
 constexpr int kRowThreads = 256;   // rows narrower than this share a block up to this many threads
 constexpr int64_t kMaxGrid = 1 << 22;  // row kernels stride over the rows beyond this many blocks
 constexpr int kColRows = 8;        // row lanes of the dgamma/dbeta column kernel (blockDim.y)
-constexpr int kTile = 64;          // byte transpose tile
 
 // ------------------------------------------------------------------------------------------------
 // Element access

@@ -23,7 +23,7 @@ from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.fp8_weight import weight_operand
 from te_parallel.ops.linear import LinearFunction, LinearParallel
-from te_parallel.ops.norm import apply_norm, check_normalization
+from te_parallel.ops.norm import apply_norm, check_normalization, fp8_norm_fused, norm_fp8
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig
@@ -294,10 +294,14 @@ class GemmModule(FP8Module, TensorParallelMixin):
                         add_bias: bool = True, par: LinearParallel = LinearParallel()):
         """Run GEMM number `gemm` on `inp`; returns (out, bias-or-None)."""
         weight, bias, plan = self._gemm_plan(params, gemm, inp, is_first_microbatch, frame, par)
-        if plan[0] is None and plan[1] is None and not par.active:
-            return torch_linear(inp, weight, bias, add_bias), bias
-        out = LinearFunction.apply(inp, weight, bias if add_bias else None, plan)
-        return out, bias
+        return run_linear(inp, weight, bias, plan, add_bias), bias
+
+
+def run_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan, add_bias: bool = True):
+    """out = inp·Wᵀ (+ bias when add_bias) by a GEMM plan of GemmModule._gemm_plan."""
+    if plan[0] is None and plan[1] is None and not plan[2].active:
+        return torch_linear(inp, weight, bias, add_bias)
+    return LinearFunction.apply(inp, weight, bias if add_bias else None, plan)
 
 
 def check_parallel_mode(owner: str, parallel_mode) -> None:
@@ -393,14 +397,44 @@ def add_norm_params(module: nn.Module, hidden_size: int, normalization: str, zer
     module.layer_norm_bias = None if bias is None else nn.Parameter(bias)
 
 
-def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
-    """The norm on this rank's tokens. Under sequence parallelism those are 1/tp of the sequence, so
+def _norm_params(module: nn.Module):
+    """The norm's (weight, bias). Under sequence parallelism the norm sees 1/tp of the tokens, so its
     γ/β gradients are partial: all-reduced over the TP group here (TE leaves that to the caller)."""
     weight, bias = module.layer_norm_weight, module.layer_norm_bias
     if module.sequence_parallel and module.tp_size > 1 and module.allreduce_sp_grads:
         weight, bias = all_reduce_grad(weight, module.tp_group), all_reduce_grad(bias, module.tp_group)
+    return weight, bias
+
+
+def norm_forward(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    """The norm on this rank's tokens, in inp's dtype."""
+    weight, bias = _norm_params(module)
     return norm_outside_autocast(apply_norm, inp, module.normalization, inp, weight, bias, module.eps,
                                  module.zero_centered_gamma)
+
+
+def norm_to_fp8(module: nn.Module, inp: torch.Tensor, weight: torch.Tensor, plan):
+    """(carrier, FP8 norm output) where the norm can write the first GEMM's FP8 input itself (one
+    native pass: norm, cast, its transposed copy for wgrad, amax), else None.
+
+    The case: that GEMM casts its input on this rank under delayed scaling (the scale is known before
+    the pass; current scaling needs the output's amax first), no gather or comm-GEMM overlap of the
+    input, the norm output not returned, the native kernels usable (CUDA, not compiling). The carrier
+    ([tokens, hidden], no storage) goes to the GEMM's Function as its input and brings the norm's
+    output gradient back to the norm's backward (te_parallel.ops.norm.layer_norm_fp8)."""
+    fp8, targets, par, grad = plan
+    if (fp8 is None or not fp8.compute or not fp8.delayed or par.gathers_input or par.overlap_fprop
+            or module.return_layernorm_output):
+        return None
+    norm_weight, norm_bias = _norm_params(module)
+    if not fp8_norm_fused(inp, norm_weight, norm_bias):
+        return None
+    scale, amax = fp8.input_scale()
+    need_wgrad = grad and (weight.requires_grad or bool(targets))
+    x_q, carrier = norm_fp8(module.normalization, inp, norm_weight, norm_bias, module.eps, module.zero_centered_gamma,
+                            scale=scale, fp8_dtype=fp8.recipe.fp8_format.fwd_dtype, amax_out=amax,
+                            transpose=need_wgrad)
+    return carrier, x_q
 
 
 def norm_outside_autocast(fn, x: torch.Tensor, *args):

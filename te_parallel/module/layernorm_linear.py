@@ -7,8 +7,10 @@ import torch
 
 from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
                                      check_parallel_mode, local_features, mark_sequence_parallel, norm_forward,
-                                     overlap_settings, pack_outputs, resolve_device, resolve_dtype)
+                                     norm_to_fp8, overlap_settings, pack_outputs, resolve_device, resolve_dtype,
+                                     run_linear)
 from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
+from te_parallel.ops.linear import LinearFunction
 from te_parallel.parallel.collectives import gather_from_sp
 
 
@@ -95,9 +97,16 @@ class LayerNormLinear(GemmModule):
         check_input("LayerNormLinear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
         par = self._linear_parallel(self.parallel_mode, inp, self.ub)
-        ln_out = norm_forward(self, inp.to(dtype))
-        out, bias = self._linear_forward(self._params, 0, ln_out, is_first_microbatch, self._fp8_frame(),
-                                         add_bias=not self.return_bias, par=par)
+        x = inp.to(dtype)
+        weight, bias, plan = self._gemm_plan(self._params, 0, x, is_first_microbatch, self._fp8_frame(), par)
+        fused = norm_to_fp8(self, x, weight, plan)
+        if fused is not None:  # the norm writes the GEMM's FP8 input: no high-precision ln_out
+            carrier, x_q = fused
+            out = LinearFunction.apply(carrier, weight, None if self.return_bias else bias, plan, x_q)
+            out, ln_out = out.view(*x.shape[:-1], out.shape[-1]), None
+        else:
+            ln_out = norm_forward(self, x)
+            out = run_linear(ln_out, weight, bias, plan, add_bias=not self.return_bias)
         bias = None if bias is None else bias.to(dtype)
         if self.return_layernorm_output and self.return_layernorm_output_gathered and par.gathers_input:
             ln_out = gather_from_sp(ln_out, self.tp_group)

@@ -7,7 +7,7 @@ import torch
 
 from te_parallel.fp8 import recompute
 from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
-                                     mark_sequence_parallel, norm_forward, overlap_settings, pack_outputs,
+                                     mark_sequence_parallel, norm_forward, norm_to_fp8, overlap_settings, pack_outputs,
                                      resolve_device, resolve_dtype)
 from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
@@ -130,15 +130,23 @@ class LayerNormMLP(GemmModule):
         gathered = self.tp_size if fc1_par.gathers_input else 1  # fc1's input rows -> fc2's rows (SP gather)
         fc2_par = self._linear_parallel("row" if self.set_parallel_mode else None, inp, self.ub_fc2,
                                         scatter_rows=inp.shape[0] * gathered)
-        ln_out = norm_forward(self, inp.to(dtype))
-        w1, b1, plan1 = self._gemm_plan(self._fc1, 0, ln_out, is_first_microbatch, frame, fc1_par)
-        tokens = ln_out.numel() // self.hidden_size * gathered
-        w2, fc2_bias, plan2 = self._gemm_plan(self._fc2, 1, ln_out, is_first_microbatch, frame, fc2_par,
+        x = inp.to(dtype)
+        w1, b1, plan1 = self._gemm_plan(self._fc1, 0, x, is_first_microbatch, frame, fc1_par)
+        tokens = x.numel() // self.hidden_size * gathered
+        w2, fc2_bias, plan2 = self._gemm_plan(self._fc2, 1, x, is_first_microbatch, frame, fc2_par,
                                               in_tokens=tokens)
         b2 = None if self.return_bias else fc2_bias
-        if can_fuse():  # one Function: FP8 activation casts, chunked backward
-            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, (self.activation, plan1, plan2, self.bwd_chunk_bytes))
+        fused = norm_to_fp8(self, x, w1, plan1) if can_fuse() else None
+        mlp_plan = (self.activation, plan1, plan2, self.bwd_chunk_bytes)
+        if fused is not None:  # the norm writes fc1's FP8 input: no high-precision ln_out
+            carrier, x_q = fused
+            out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q)
+            out, ln_out = out.view(*x.shape[:-1], out.shape[-1]), None
+        elif can_fuse():  # one Function: FP8 activation casts, chunked backward
+            ln_out = norm_forward(self, x)
+            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, mlp_plan)
         else:
+            ln_out = norm_forward(self, x)
             fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
             out = LinearFunction.apply(apply_activation(self.activation, fc1_out), w2, b2, plan2)
         fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)

@@ -134,6 +134,11 @@ class GemmFP8:
     def record_weight_amax(self, w: torch.Tensor) -> None:
         self._record(w, FP8ScalingState.weight_slot(self.gemm), backward=False)
 
+    def input_scale(self):
+        """(scale, amax cell or None) of this GEMM's input under delayed scaling, for a producer that casts
+        the input in its own pass (the norm before a LayerNormLinear's GEMM)."""
+        return self._delayed_scale(self._slot(False), False)
+
     def cast_input(self, x: torch.Tensor, transpose: bool, amax_group=None) -> Float8Tensor:
         return self._cast(x, self._slot(False), backward=False, transpose=transpose, amax_group=amax_group)
 

@@ -281,13 +281,14 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
 
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, plan):
+    def forward(ctx, inp, weight, bias, plan, x_q=None):
         # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
-        # apply() walks every argument on each call (host time of small layers)
+        # apply() walks every argument on each call (host time of small layers). x_q: inp already cast
+        # (linear_fwd's x_q); inp then only carries its gradient.
         out_features, in_features = weight.shape
         flat = inp.dim() == 2  # (no reshape views of a 2-D input and output: host time of small layers)
         y2d, ctx.s = linear_fwd(inp if flat else inp.reshape(-1, in_features), weight, bias, plan,
-                                inp.dtype)  # x [M or M/tp, K]
+                                inp.dtype, x_q)  # x [M or M/tp, K]
         ctx.inp_shape = inp.shape
         if flat:
             return y2d
@@ -305,7 +306,7 @@ class LinearFunction(torch.autograd.Function):
         if not keep_graph():
             ctx.s = None  # x and W as saved: free them now, not when the whole graph is released
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
-        return dx, dw, dbias, None
+        return dx, dw, dbias, None, None
 
 
 def keep_graph() -> bool:

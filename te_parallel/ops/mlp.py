@@ -104,13 +104,14 @@ class FusedMLPFunction(torch.autograd.Function):
     """y = fc2(act(fc1(x))) (see the module doc); inputs as LinearFunction's."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, plan):
+    def forward(ctx, x, w1, b1, w2, b2, plan, x_q=None):
         # plan: (activation name, fc1 plan, fc2 plan, backward chunk bytes); a GEMM plan is
-        # LinearFunction's (GemmFP8, wgrad targets, LinearParallel, grad mode)
+        # LinearFunction's (GemmFP8, wgrad targets, LinearParallel, grad mode). x_q: x already cast as
+        # fc1's input (LinearFunction's x_q).
         name, plan1, plan2, ctx.chunk_bytes = plan
         fp8_1, fp8_2, grad = plan1[0], plan2[0], plan2[3]
         dtype = x.dtype
-        h, s1 = linear_fwd(x.reshape(-1, w1.shape[1]), w1, b1, plan1, dtype)  # [M, fc1 out]
+        h, s1 = linear_fwd(x.reshape(-1, w1.shape[1]), w1, b1, plan1, dtype, x_q)  # [M, fc1 out]
         ctx.fp8_act = fp8_activation(fp8_1, fp8_2)
         if ctx.fp8_act:
             need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
@@ -170,7 +171,7 @@ class FusedMLPFunction(torch.autograd.Function):
         if free:
             ctx.s1 = None
         dx = None if dx is None else dx.reshape(ctx.x_shape)
-        return dx, dw1, db1, dw2, db2, None
+        return dx, dw1, db1, dw2, db2, None, None
 
 
 class _ActivationGradRows:

@@ -5,12 +5,11 @@ towards 1 rather than 0; the math uses (1 + weight).
 
 One rule decides between the native kernels (te_parallel.native.norm: one read of x, fp32 math,
 1 + weight taken in fp32, deterministic γ/β gradients) and torch's ops: the kernels make the FP8
-outputs (`layer_norm_fp8` / `rms_norm_fp8`, where native.norm.usable says they can run), and a
-high-precision norm is torch's. The kernels pay off where they fuse the FP8 cast (+transpose, +amax)
-into the norm: 3.5-5.5x the unfused torch ops on an H200. For a high-precision output they do not:
-measured on an H200 (2026-11-22, 8192x4096 bf16) LayerNorm fwd+bwd took 0.271 ms native vs 0.229 ms
-torch, RMSNorm 0.213 vs 0.205 ms. The native high-precision path stays callable (`native_layer_norm`,
-`native_rms_norm`: tests and benchmarks) for the day its forward beats torch's.
+outputs (`layer_norm_fp8` / `rms_norm_fp8`, where native.norm.usable says they can run; LayerNormLinear
+and LayerNormMLP feed them to their first FP8 GEMM under delayed scaling), and a high-precision norm is
+torch's. The kernels pay off where they fuse the FP8 cast (+transpose, +amax) into the norm; for a
+high-precision output torch's forward is faster (docs/benchmarks.md, "Kernels"). The native
+high-precision path stays callable (`native_layer_norm`, `native_rms_norm`: tests and benchmarks).
 """
 from __future__ import annotations
 
@@ -94,11 +93,14 @@ class _NormFP8Function(torch.autograd.Function):
         carrier = x.new_zeros(()).expand(x.shape)  # [rows, hidden], stride (0, 0)
         outs = (carrier, data) if data_t is None else (carrier, data, data_t)
         ctx.mark_non_differentiable(*outs[1:])
+        ctx.set_materialize_grads(False)  # no zero-filled "gradients" of the FP8 bytes
         return outs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, *_fp8_grads):
+        if dy is None:  # nothing reached the carrier
+            return (None,) * 7
         return (*_backward(ctx, dy), None, None, None, None)
 
 
@@ -136,6 +138,21 @@ def _fp8(norm: str, x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype,
     carrier, data = outs[0], outs[1]
     data_t = outs[2] if len(outs) > 2 else None
     return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t), carrier
+
+
+def fp8_norm_fused(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """True where norm_fp8 runs the native pass (no high-precision y); elsewhere it runs torch's norm
+    and a separate cast."""
+    return norm_kernels.usable(x, weight, bias)
+
+
+def norm_fp8(normalization: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+             zero_centered_gamma: bool = False, *, scale: torch.Tensor, fp8_dtype: torch.dtype,
+             amax_out: Optional[torch.Tensor] = None, transpose: bool = True) -> Tuple[Float8Tensor, torch.Tensor]:
+    """layer_norm_fp8 or rms_norm_fp8 by the module's `normalization` ("LayerNorm" / "RMSNorm")."""
+    norm = "rms_norm" if normalization == "RMSNorm" else "layer_norm"
+    return _fp8(norm, x, weight, None if norm == "rms_norm" else bias, eps, zero_centered_gamma, scale, fp8_dtype,
+                amax_out, transpose)
 
 
 def layer_norm_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,

@@ -35,16 +35,18 @@ typedef struct {
 } tep_norm_params;
 
 /*
- * Forward, one read of x (x_dtype TEP_FLOAT32 / FLOAT16 / BFLOAT16):
+ * Forward (x_dtype TEP_FLOAT32 / FLOAT16 / BFLOAT16), two kernels on `stream`: the row statistics
+ * (one read of x), then y from x and the statistics (a second read of x, mostly from L2):
  *   out_dtype TEP_FLOAT32 / FLOAT16 / BFLOAT16: out[i, j] = y[i, j] rounded to nearest even;
  *     scale and out_t must be NULL.
  *   out_dtype TEP_FLOAT8_E4M3 / E5M2: out[i, j] = fp8(y[i, j] * scale[0]) (one fp32 multiplication,
  *     round-to-nearest-even, saturating to +-fp8_max, NaN stays NaN: the bytes of
  *     te_parallel.ops.cast.quantize_reference of the fp32 y); out_t (NULL = none) receives the
- *     transposed copy [hidden, rows], made from `out` by a second kernel on the same stream.
+ *     transposed copy [hidden, rows] from the same pass.
  *   amax (NULL = none): amax[0] = max(amax[0], max |y|) of the pre-scale y (NaN propagates).
  *   mu (LayerNorm; NULL = not written; must be NULL for RMSNorm), rsigma (NULL = not written):
- *     fp32 [rows], the statistics the backward takes.
+ *     fp32 [rows], the statistics the backward takes (stream-ordered scratch, cudaMallocAsync, holds
+ *     them between the two kernels when they are not wanted).
  * y is computed by the same instructions for every out_dtype, so the FP8 bytes equal the
  * quantization of the fp32 output of a TEP_FLOAT32 call. Asynchronous on `stream`.
  */
