@@ -426,9 +426,9 @@ def norm_to_fp8(module: nn.Module, inp: torch.Tensor, weight: torch.Tensor, plan
     if (fp8 is None or not fp8.compute or not fp8.delayed or par.gathers_input or par.overlap_fprop
             or module.return_layernorm_output):
         return None
-    norm_weight, norm_bias = _norm_params(module)
-    if not fp8_norm_fused(inp, norm_weight, norm_bias):
+    if not fp8_norm_fused(inp, module.layer_norm_weight, module.layer_norm_bias):
         return None
+    norm_weight, norm_bias = _norm_params(module)
     scale, amax = fp8.input_scale()
     need_wgrad = grad and (weight.requires_grad or bool(targets))
     x_q, carrier = norm_fp8(module.normalization, inp, norm_weight, norm_bias, module.eps, module.zero_centered_gamma,
