@@ -35,8 +35,8 @@ gradients and no FP8 weight copies, minus the memory held before it: it counts a
 copy the step makes (weights included) and the new gradients. held_GiB: what the step leaves allocated
 besides its gradients (the FP8 weight copies kept for the next forward).
 `--ablate` adds FP8 rows with one choice changed each (same run): the MLP activation's own FP8 casts
-switched off (te_parallel/ops/mlp.py), the forward GEMMs with fast accumulation (the recipe's
-fp8_gemm_fprop=MMParams(use_split_accumulator=False), TE's choice), the fused MLP backward in one
+switched off (te_parallel/ops/mlp.py), the forward GEMMs with the exact sum (the recipe's
+fp8_gemm_fprop=MMParams(use_split_accumulator=True); the default, as TE, is fast accumulation), the fused MLP backward in one
 piece instead of row chunks (LayerNormMLP's bwd_chunk_bytes), the FP8 weights
 kept from forward to backward and for the next forward (is_first_microbatch=True, TE's micro-batch
 flag). The row with every FP8 GEMM through the non-default GEMM (torch._scaled_mm) is always there.
@@ -280,7 +280,7 @@ def switched_off(what: str, layer):
     """One optimisation off for an ablation row: "fused activation" (the MLP activation in high
     precision, each GEMM casting its input: ops/mlp.fp8_activation answers False), or "mlp chunks"
     (the layer's MLP backward in one piece: its bwd_chunk_bytes made unbounded). The other ablations
-    are recipes (fast fprop accumulation, the torch._scaled_mm GEMM)."""
+    are recipes (exact fprop accumulation, the torch._scaled_mm GEMM)."""
     from te_parallel.ops import mlp
 
     if what == "fused activation":
@@ -312,8 +312,8 @@ def eager_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, peer_fwd: d
     labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece"}
     for what, label in labels.items():
         steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8, **fwd))
-    fast = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=False))
-    steps["te FP8 delayed, fprop fast accumulation"] = training_step(layer, x, dy, fast, **fwd)
+    exact = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True))
+    steps["te FP8 delayed, fprop exact accumulation"] = training_step(layer, x, dy, exact, **fwd)
     steps["te FP8 delayed, FP8 weights kept (is_first_microbatch=True)"] = \
         training_step(layer, x, dy, fp8, is_first_microbatch=True, **fwd)
     return steps

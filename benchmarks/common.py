@@ -175,11 +175,10 @@ OTHER_GEMM_LABEL = "torch._scaled_mm GEMM"
 
 
 def with_torch_gemm(rec):
-    """`rec` (a recipe) with every FP8 GEMM issued by torch._scaled_mm (MMParams(backend="torch"))."""
-    from te_parallel import recipe
-
-    mm = recipe.MMParams(backend="torch")
-    return dataclasses.replace(rec, fp8_gemm_fprop=mm, fp8_gemm_dgrad=mm, fp8_gemm_wgrad=mm)
+    """`rec` (a recipe) with every FP8 GEMM issued by torch._scaled_mm (backend="torch"), each with its
+    recipe's accumulation."""
+    return dataclasses.replace(rec, **{f"fp8_gemm_{g}": dataclasses.replace(getattr(rec, f"fp8_gemm_{g}"), backend="torch")
+                                       for g in ("fprop", "dgrad", "wgrad")})
 
 
 def transformer_engine():

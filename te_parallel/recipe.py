@@ -69,9 +69,8 @@ class MMParams:
 
     use_split_accumulator: True promotes the tensor cores' partial sums to fp32 registers at
     intervals along K (cuBLASLt's default, the more exact sum); False is cuBLASLt's FAST_ACCUM.
-    TE runs the forward GEMM with False. Here every GEMM defaults to True: on H100/H200 the fast
-    accumulation did not make the forward GEMMs of a transformer layer faster (docs/benchmarks.md),
-    so the more exact sum costs nothing.
+    As in TE, a recipe runs its forward GEMMs with False (Recipe.fp8_gemm_fprop) and dgrad / wgrad
+    with True (docs/fp8.md, "Accumulation").
     backend: "native" issues the GEMM through te_parallel's own cuBLASLt call (cached plans, about
     half the host time of torch._scaled_mm); "torch" through torch._scaled_mm. Both run cuBLASLt's
     FP8 kernels. A GEMM that adds a C matrix in its epilogue (comm-GEMM overlap) always takes the
@@ -97,7 +96,8 @@ class Recipe:
     """Base class of the recipes.
 
     fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: how the forward, data-gradient and
-    weight-gradient GEMMs run (MMParams).
+    weight-gradient GEMMs run (MMParams). TE's defaults: the forward GEMM with fast accumulation,
+    the gradient GEMMs with the exact sum.
     min_fp8_gemm: 0 (the default, as in TE): under fp8_autocast every GEMM runs in FP8. An opt-in
     M·K·N lets smaller GEMMs on CUDA run in the activation dtype (bf16/fp16) instead, where the casts
     cost more GPU time than FP8 saves; "auto" takes the break-even measured for this GPU architecture
@@ -106,7 +106,7 @@ class Recipe:
     """
 
     fp8_format: Format = Format.HYBRID
-    fp8_gemm_fprop: MMParams = MMParams()
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_dgrad: MMParams = MMParams()
     fp8_gemm_wgrad: MMParams = MMParams()
     min_fp8_gemm: Union[int, str] = 0

@@ -21,8 +21,9 @@ def test_alias_and_defaults():
     assert R.Format.E4M3.bwd_dtype == torch.float8_e4m3fn and R.Format.E5M2.fwd_dtype == torch.float8_e5m2
     assert R.Float8CurrentScaling().fp8_format == R.Format.HYBRID
     assert d.min_fp8_gemm == 0 and R.Float8CurrentScaling().min_fp8_gemm == 0  # every GEMM in FP8, as TE
-    for r in (d, R.Float8CurrentScaling()):  # every GEMM with the exact accumulation, through the native call
-        assert r.fp8_gemm_fprop == r.fp8_gemm_dgrad == r.fp8_gemm_wgrad == R.MMParams()
+    for r in (d, R.Float8CurrentScaling()):  # TE's accumulation: fast in fprop, exact in dgrad / wgrad; native call
+        assert r.fp8_gemm_fprop == R.MMParams(use_split_accumulator=False) and r.fp8_gemm_fprop.fast_accum
+        assert r.fp8_gemm_dgrad == r.fp8_gemm_wgrad == R.MMParams()
     assert R.MMParams().use_split_accumulator and R.MMParams().backend == "native"
     assert R.MMParams(use_split_accumulator=False).fast_accum
     with pytest.raises(Exception):

@@ -30,71 +30,141 @@ struct BwdArgs {
   bool zero_centered, vec;
 };
 
-// dx of rows in registers (x and dy: kVecs chunks per thread); with kWgrad also this row slot's
-// partial dgamma/dbeta over all the rows it visits, written to row blockIdx.x * blockDim.y +
-// threadIdx.y of the workspace (every slot writes its row, zeros if it saw no row).
+// One chunk of x or dy as loaded: a 2-byte type keeps its 16 raw bytes (4 registers, converted where
+// used), fp32 its 8 values. A row held raw takes half the registers of its fp32 values, which leaves
+// room to load the next row while this one is reduced.
+template <typename T>
+struct RawChunk {
+  uint4 bits;
+  __device__ __forceinline__ float at(int k) const { return to_float(reinterpret_cast<const T*>(&bits)[k]); }
+  __device__ __forceinline__ void zero() { bits = make_uint4(0u, 0u, 0u, 0u); }
+  __device__ __forceinline__ void load(const T* __restrict__ row, int64_t col, int64_t hidden, bool vec) {
+    if (vec) {
+      bits = *reinterpret_cast<const uint4*>(row + col);
+    } else {
+      T* e = reinterpret_cast<T*>(&bits);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) e[k] = col + k < hidden ? row[col + k] : from_float<T>(0.f);
+    }
+  }
+};
+
+template <>
+struct RawChunk<float> {
+  float v[kVec];
+  __device__ __forceinline__ float at(int k) const { return v[k]; }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = 0.f;
+  }
+  __device__ __forceinline__ void load(const float* __restrict__ row, int64_t col, int64_t hidden, bool vec) {
+    load_chunk(row, col, hidden, vec, v);
+  }
+};
+
+// The kVecs chunks of x and dy that this thread owns in `row` (zeros for a row past the end).
+template <typename T, int kVecs>
+__device__ __forceinline__ void load_row_chunks(const BwdArgs& a, int64_t row, int64_t nchunks, RawChunk<T> (&xr)[kVecs],
+                                                RawChunk<T> (&dr)[kVecs]) {
+  const bool valid = row < a.rows;
+  const int64_t offset = (valid ? row : 0) * a.hidden;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (valid && c < nchunks) {
+      xr[i].load(static_cast<const T*>(a.x) + offset, c * kVec, a.hidden, a.vec);
+      dr[i].load(static_cast<const T*>(a.dy) + offset, c * kVec, a.hidden, a.vec);
+    } else {
+      xr[i].zero();
+      dr[i].zero();
+    }
+  }
+}
+
+// dx of rows in registers (x and dy: kVecs chunks per thread, held raw); gamma sits in registers for
+// the whole kernel. With kWgrad the grid is persistent (every block visits many rows): with 2-byte x
+// the next row of this row slot is loaded before this one's row sums, so its loads are in flight
+// during the block's reduction, and this row slot's partial dgamma/dbeta over all the rows it visits
+// is written to row blockIdx.x * blockDim.y + threadIdx.y of the workspace (every slot writes its
+// row, zeros if it saw no row). dy*gamma is rounded to fp32 once (no fused multiply-add) in both of
+// its uses, so that dx is exactly zero where dy*gamma equals its row mean and xhat is zero.
 template <typename T, bool kRms, int kVecs, bool kWgrad>
 __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(BwdArgs a) {
   __shared__ float2 red[kMaxWarps];
   constexpr int kAcc = kWgrad ? kVecs : 1;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
+  constexpr bool kPrefetch = kWgrad && sizeof(T) == 2;  // (fp32 rows would not fit twice in registers)
   T* dx = static_cast<T*>(a.dx);
   const int64_t hidden = a.hidden, nchunks = (hidden + kVec - 1) / kVec;
   const float fh = static_cast<float>(hidden);
-  float dg[kAcc][kVec], db[kAcc][kVec];
+  float dg[kAcc][kVec], db[kAcc][kVec], g[kVecs][kVec];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) dg[i][k] = db[i][k] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < nchunks) {
+      load_chunk_any(a.gamma, a.w_dtype, c * kVec, hidden, a.vec, g[i]);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[i][k] = a.zero_centered ? __fadd_rn(g[i][k], 1.f) : g[i][k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[i][k] = 0.f;
+    }
+  }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  RawChunk<T> xr[kVecs], dr[kVecs];
+  load_row_chunks<T, kVecs>(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, nchunks, xr, dr);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows; base += stride) {
     const int64_t row = base + threadIdx.y;
     const bool valid = row < a.rows;
     const int64_t offset = (valid ? row : 0) * hidden;
     const float mu = (!kRms && valid) ? a.mu[row] : 0.f;
     const float rs = valid ? a.rsigma[row] : 0.f;
-    float xhat[kVecs][kVec], dyg[kVecs][kVec];
+    RawChunk<T> xn[kVecs], dn[kVecs];
+    if constexpr (kPrefetch) load_row_chunks<T, kVecs>(a, row + stride, nchunks, xn, dn);
     float2 s = make_float2(0.f, 0.f);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      float xv[kVec], dyv[kVec], g[kVec];
-      const bool live = valid && c < nchunks;
-      if (live) {
-        load_chunk(x + offset, c * kVec, hidden, a.vec, xv);
-        load_chunk(dy + offset, c * kVec, hidden, a.vec, dyv);
-        load_chunk_any(a.gamma, a.w_dtype, c * kVec, hidden, a.vec, g);
-      }
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        if (!live || c * kVec + k >= hidden) {
-          xhat[i][k] = dyg[i][k] = 0.f;
-          continue;
-        }
-        const float gk = a.zero_centered ? __fadd_rn(g[k], 1.f) : g[k];
-        xhat[i][k] = kRms ? xv[k] * rs : (xv[k] - mu) * rs;
-        dyg[i][k] = dyv[k] * gk;
-        s.x += dyg[i][k];
-        s.y += dyg[i][k] * xhat[i][k];
+      for (int k = 0; k < kVec; ++k) {  // (elements past the row: x, dy and gamma are zeros)
+        const float xhat = kRms ? xr[i].at(k) * rs : (xr[i].at(k) - mu) * rs;
+        const float dyv = dr[i].at(k);
+        const float dyg = __fmul_rn(dyv, g[i][k]);
+        s.x += dyg;
+        s.y += dyg * xhat;
         if constexpr (kWgrad) {
-          dg[i][k] += dyv[k] * xhat[i][k];
-          if (!kRms) db[i][k] += dyv[k];
+          dg[i][k] += dyv * xhat;
+          if (!kRms) db[i][k] += dyv;
         }
       }
     }
     s = row_sum2(s, red);
     const float m1 = s.x / fh, m2 = s.y / fh;
-    if (!valid) continue;
+    if (valid) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      if (c >= nchunks) continue;
-      float d[kVec];
+      for (int i = 0; i < kVecs; ++i) {
+        const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+        if (c >= nchunks) continue;
+        float d[kVec];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k)
-        d[k] = kRms ? rs * (dyg[i][k] - xhat[i][k] * m2) : rs * (dyg[i][k] - m1 - xhat[i][k] * m2);
-      store_chunk(dx + offset, c * kVec, hidden, a.vec, d);
+        for (int k = 0; k < kVec; ++k) {
+          const float xhat = kRms ? xr[i].at(k) * rs : (xr[i].at(k) - mu) * rs;
+          const float dyg = __fmul_rn(dr[i].at(k), g[i][k]);
+          d[k] = kRms ? rs * (dyg - xhat * m2) : rs * (dyg - m1 - xhat * m2);
+        }
+        store_chunk(dx + offset, c * kVec, hidden, a.vec, d);
+      }
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        xr[i] = xn[i];
+        dr[i] = dn[i];
+      }
+    } else {
+      load_row_chunks<T, kVecs>(a, row + stride, nchunks, xr, dr);
     }
   }
   if constexpr (kWgrad) {
@@ -229,6 +299,16 @@ __global__ void __launch_bounds__(1024) norm_wgrad_finalize_kernel(const float* 
 // (hidden <= 8192); 4 chunks keep x and dy only (the column kernel does dgamma/dbeta).
 constexpr int kBwdCaps[3] = {128, 512, 512};
 
+// The register kernel for a row shape with 1, 2 or 4 chunks per thread.
+template <typename T, bool kRms>
+const void* bwd_kernel(const RowShape& sh) {
+  switch (sh.vecs) {
+    case 1: return reinterpret_cast<const void*>(norm_bwd_kernel<T, kRms, 1, true>);
+    case 2: return reinterpret_cast<const void*>(norm_bwd_kernel<T, kRms, 2, true>);
+    default: return reinterpret_cast<const void*>(norm_bwd_kernel<T, kRms, 4, false>);
+  }
+}
+
 // Everything the backward launches depend on; the same for the workspace query and the launch.
 struct BwdPlan {
   RowShape shape;
@@ -252,8 +332,7 @@ tep_status plan_bwd(int64_t rows, int64_t hidden, BwdPlan* plan) {
   if (plan->fused) {
     // Persistent blocks: as many as fit on the device at once, so the partials are few.
     int per_sm = 0;
-    const void* kernel = sh.vecs == 1 ? reinterpret_cast<const void*>(norm_bwd_kernel<T, kRms, 1, true>)
-                                      : reinterpret_cast<const void*>(norm_bwd_kernel<T, kRms, 2, true>);
+    const void* kernel = bwd_kernel<T, kRms>(sh);
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, sh.tpr * sh.rpc, 0);
     if (err != cudaSuccess) return cuda_failed("tep_norm_bwd: occupancy query failed", err);
     plan->grid = static_cast<unsigned>(std::min<int64_t>(plan->grid, static_cast<int64_t>(std::max(per_sm, 1)) * sms));
@@ -277,11 +356,11 @@ template <typename T, bool kRms>
 tep_status launch_bwd(const BwdPlan& plan, BwdArgs a, void* dgamma, void* dbeta, cudaStream_t stream) {
   const RowShape& sh = plan.shape;
   const dim3 block(sh.tpr, sh.rpc);
-  switch (sh.vecs) {
-    case 1: norm_bwd_kernel<T, kRms, 1, true><<<plan.grid, block, 0, stream>>>(a); break;
-    case 2: norm_bwd_kernel<T, kRms, 2, true><<<plan.grid, block, 0, stream>>>(a); break;
-    case 4: norm_bwd_kernel<T, kRms, 4, false><<<plan.grid, block, 0, stream>>>(a); break;
-    default: norm_bwd_looped_kernel<T, kRms><<<plan.grid, block, 0, stream>>>(a); break;
+  if (sh.vecs == 0) {
+    norm_bwd_looped_kernel<T, kRms><<<plan.grid, block, 0, stream>>>(a);
+  } else {
+    auto kernel = reinterpret_cast<void (*)(BwdArgs)>(bwd_kernel<T, kRms>(sh));
+    kernel<<<plan.grid, block, 0, stream>>>(a);
   }
   if (!plan.fused) {
     a.rows_per_split = plan.rows_per_split;

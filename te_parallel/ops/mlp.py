@@ -69,12 +69,20 @@ def fp8_activation(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8]) -> bool:
 
 
 def _chunk_rows(h: torch.Tensor, s2, chunk_bytes: int) -> Optional[int]:
-    """Rows per chunk of fc2's dgrad output (a multiple of 16, the FP8 GEMM's), or None for one piece."""
-    if s2.par.overlap_dgrad or h.shape[0] % 16:
+    """Rows per chunk of fc2's dgrad output, or None for one piece: the fewest chunks of at most about
+    chunk_bytes, of equal rows rounded up to a multiple of 128 (the GEMM's tile; 16, the FP8 GEMM's
+    multiple, for chunks under 128 rows), so that no chunk is a sliver of a GEMM."""
+    rows = h.shape[0]
+    if s2.par.overlap_dgrad or rows % 16:
         return None
     per_row = s2.w_saved.shape[1] * h.element_size()  # fc2's input features, in the activation dtype
-    chunk = chunk_bytes // per_row // 16 * 16
-    return chunk if 16 <= chunk < h.shape[0] else None
+    most = chunk_bytes // per_row
+    if most < 16 or most >= rows:
+        return None
+    chunk = -(-rows // -(-rows // most))  # rows / the number of chunks, rounded up
+    align = 128 if chunk >= 128 else 16
+    chunk = -(-chunk // align) * align
+    return chunk if chunk < rows else None
 
 
 def _two_pass_fp8(name: str, h: torch.Tensor, fc2: Optional[GemmFP8], fc2_par: LinearParallel) -> bool:

@@ -68,6 +68,9 @@ def test_recipes_are_mutable_and_converted_at_use():
     converted = recipe.to_te_parallel(r)
     assert first is r and converted.amax_history_len == 4 and converted.margin == 1
     assert converted.fp8_format == te_parallel.recipe.Format.E4M3 and converted.reduce_amax is False
+    # TE's DelayedScaling has no GEMM fields: its modules run fprop with fast accumulation, dgrad / wgrad exact
+    assert converted.fp8_gemm_fprop.use_split_accumulator is False
+    assert converted.fp8_gemm_dgrad.use_split_accumulator is converted.fp8_gemm_wgrad.use_split_accumulator is True
 
 
 def test_current_scaling_keeps_te_gemm_settings():

@@ -160,7 +160,10 @@ def test_tune_rejects_bad_arguments():
 
 def test_linear_with_native_gemm_matches_scaled_mm():
     """A te.Linear FP8 step with every GEMM through the native call (the default MMParams) gives the
-    outputs and gradients of the same step through torch._scaled_mm (MMParams(backend="torch"))."""
+    outputs and gradients of the same step through torch._scaled_mm (MMParams(backend="torch")), each GEMM
+    with the recipe's accumulation (fast in fprop, exact in dgrad / wgrad)."""
+    import dataclasses
+
     import te_parallel as te
     from te_parallel import recipe
 
@@ -178,9 +181,11 @@ def test_linear_with_native_gemm_matches_scaled_mm():
         lin.zero_grad(set_to_none=True)
         return (y.detach(), *grads)
 
-    torch_mm = recipe.MMParams(backend="torch")
-    want = step(recipe.Float8CurrentScaling(fp8_gemm_fprop=torch_mm, fp8_gemm_dgrad=torch_mm, fp8_gemm_wgrad=torch_mm))
-    got = step(recipe.Float8CurrentScaling())
+    native = recipe.Float8CurrentScaling()
+    want = step(dataclasses.replace(native, **{f"fp8_gemm_{g}": dataclasses.replace(getattr(native, f"fp8_gemm_{g}"),
+                                                                                  backend="torch")
+                                               for g in ("fprop", "dgrad", "wgrad")}))
+    got = step(native)
     for g, w in zip(got, want):
         _close(g.float(), w.float(), torch.bfloat16)
 
