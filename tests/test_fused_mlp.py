@@ -214,3 +214,53 @@ def test_fp8_weights_freed_after_forward(microbatch, device, monkeypatch):
     assert len(made) == 2 and alive == [microbatch is not None] * 2
     y.sum().backward()
     assert mlp.fc1_weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["freed", "retain_graph"])
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_dgrad_operands_freed_before_wgrad(kind, rec, retain, device, monkeypatch):
+    """When wgrad allocates dW, the backward's Wᵀ and the row-major FP8 output gradient of the dgrad
+    before it are gone (wgrad reads only the transposed copy); with retain_graph=True nothing is
+    dropped. The gradients are those of the same step without the release."""
+    import weakref
+
+    from te_parallel.ops import linear as linear_ops
+
+    def make():
+        torch.manual_seed(0)
+        return (te.Linear(64, 96, device=device) if kind == "Linear"
+                else te.LayerNormMLP(64, 96, activation="swiglu", device=device))
+
+    x = torch.randn(16, 2, 64, device=device)
+    dy = torch.randn(16, 2, 64 if kind == "LayerNormMLP" else 96, device=device)
+
+    def step(module):
+        xi = x.clone().requires_grad_(True)
+        with te.fp8_autocast(fp8_recipe=rec):
+            y = module(xi)
+        y.backward(dy, retain_graph=retain)
+        return [xi.grad] + [p.grad for p in module.parameters()]
+
+    dgrads, seen = [], []
+    real_dgrad, real_wgrad = linear_ops._dgrad, linear_ops._wgrad
+
+    def dgrad(dy_, w, *a):
+        dgrads.append((weakref.ref(dy_.data), weakref.ref(w.data_t)))
+        return real_dgrad(dy_, w, *a)
+
+    def wgrad(dy_, *a):
+        if dgrads:
+            seen.append([r() is not None for r in dgrads.pop()])
+            assert dy_.data_t is not None and dy_.data.shape == dy_.data_t.shape[::-1]
+        return real_wgrad(dy_, *a)
+
+    plain = step(make())
+    with monkeypatch.context() as mp:
+        mp.setattr(linear_ops, "_dgrad", dgrad)
+        mp.setattr(linear_ops, "_wgrad", wgrad)
+        released = step(make())
+    assert len(seen) == (1 if kind == "Linear" else 2)
+    assert seen == [[retain, retain]] * len(seen)
+    for a, b in zip(released, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -17,6 +17,7 @@ from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import FP8_DTYPES
 from te_parallel.native import cast as native_cast
 from te_parallel.native import scaling as native_scaling
+from te_parallel.native import torch_ops as native_ops
 from te_parallel.recipe import fp8_max
 
 
@@ -70,6 +71,12 @@ def quantize(
     if scale.dim() or scale.dtype is not torch.float32 or scale.requires_grad:  # (a state's slot view is not)
         scale = scale.detach().to(torch.float32).reshape(())
     if native_cast.usable(x):
+        if dbias_out is None and native_ops.usable():  # one call through torch's dispatcher (host time)
+            data, data_t, scale_inv, snapshot = native_ops.cast_fp8(x, scale, amax_out, fp8_dtype, rowwise, transpose,
+                                                                    keep_scale)
+            return Float8Tensor(data=data if rowwise else data_t.t(), scale_inv=scale_inv,
+                                data_t=data_t if transpose else None,
+                                scale=snapshot.view(()) if keep_scale else None)
         # written by the kernel: 1 / scale (and the scale's snapshot beside it, when asked for)
         if keep_scale:
             scales = torch.empty(2, dtype=torch.float32, device=x.device)
@@ -97,6 +104,12 @@ def quantize_current(
 ) -> Float8Tensor:
     """Current scaling: scale = fp8_max / amax(x) (or a given amax, e.g. one all-reduced across ranks)."""
     _check_fp8_dtype(fp8_dtype)
+    if amax is None and dbias_out is None and x.dim() == 2 and native_cast.usable(x) and native_ops.usable():
+        # amax, scale and the cast in one call (three launches)
+        data, data_t, scale_inv, snapshot = native_ops.cast_fp8(x.detach(), None, None, fp8_dtype, True, transpose,
+                                                                keep_scale)
+        return Float8Tensor(data=data, scale_inv=scale_inv, data_t=data_t if transpose else None,
+                            scale=snapshot.view(()) if keep_scale else None)
     if amax is None and native_scaling.current_usable(x):  # amax and scale in two launches
         scale = native_scaling.current_scale_of(x.detach(), fp8_max(fp8_dtype))[0]
     else:

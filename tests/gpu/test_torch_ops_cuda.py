@@ -154,3 +154,43 @@ def test_refused_linear_launches_nothing(ops):
         torch_ops.linear_fp8_fwd(x, one, amax, E4M3, True, w, one, None, False)
     torch.cuda.synchronize()
     assert amax.item() == 0.5
+
+
+@pytest.mark.parametrize("mode", ["delayed", "delayed_t_only", "current", "weight"])
+def test_quantize_takes_cast_op_bit_identical(ops, mode, monkeypatch):
+    """ops.cast.quantize / quantize_current without a dbias go through te_parallel::cast_fp8 (one call;
+    the pybind11 wrapper is not reached) and give the pybind11 path's bytes, scale_inv, amax and scale
+    snapshot."""
+    from te_parallel.native import cast as native_cast
+    from te_parallel.native import scaling as native_scaling
+    from te_parallel.ops import cast as cast_ops
+
+    torch.manual_seed(hash(mode) % 2**31)
+    x = (torch.randn(384, 256, device="cuda") * 7).to(torch.bfloat16)
+    scale = torch.tensor(3.5, device="cuda")
+
+    def run():
+        amax = torch.full((1,), 2.0, device="cuda")
+        if mode == "current":
+            q = cast_ops.quantize_current(x, E4M3, transpose=True, keep_scale=True)
+        else:
+            q = cast_ops.quantize(x, scale, E5M2 if mode == "delayed_t_only" else E4M3, amax_out=amax,
+                                  transpose=mode != "delayed", rowwise=mode != "delayed_t_only",
+                                  keep_scale=mode == "weight")
+        return [_bytes(q.data), None if q.data_t is None else _bytes(q.data_t), q.scale_inv.reshape(()),
+                None if q.scale is None else q.scale.reshape(()), amax], q
+
+    calls = []
+    real = torch_ops.cast_fp8
+    monkeypatch.setattr(torch_ops, "cast_fp8", lambda *a: calls.append(1) or real(*a))
+    for name in ("cast_transpose_amax",):
+        monkeypatch.setattr(native_cast, name, lambda *a, **k: pytest.fail("the pybind11 cast was called"))
+    monkeypatch.setattr(native_scaling, "current_scale_of", lambda *a, **k: pytest.fail("two-call current scale"))
+    by_op, q = run()
+    assert calls == [1] and q.data.shape == x.shape
+    assert q.scale is None or q.scale.dim() == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(torch_ops, "usable", lambda: False)
+    by_pybind, _ = run()
+    for a, b in zip(by_op, by_pybind):
+        assert (a is None and b is None) or torch.equal(a, b)
