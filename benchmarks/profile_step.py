@@ -6,6 +6,7 @@
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
     add --host to linear / layer for a cProfile of the host side of 8 steps
     add --gaps to linear / layer for the idle gaps between kernels (and whether the host was late)
+    add --memory to linear / layer for the allocations live at the step's memory peak, and where each was made
 
 `linear` / `layer` print the kernels of 5 profiled steps grouped by name (total ms per step, calls per
 step), the GPU busy time per step and the host time to issue one step. `gemm` times the three GEMMs of a
@@ -166,6 +167,50 @@ def host_profile(kind: str, args) -> list:
     return []
 
 
+def memory_profile(kind: str, args) -> list:
+    """The allocations live at one step's memory peak (made during the step, as bench_transformer's peak
+    counts them: from cleared gradients and no FP8 weight copies), largest first, each with the frames
+    that made it (te_parallel's and the benchmarks'; "torch" where only torch's own were on the stack,
+    e.g. the autograd engine's gradient buffers), from torch.cuda.memory's allocation history."""
+    step = _build(kind, args)
+    for _ in range(3):
+        step()
+    step.clear_grads()
+    getattr(step, "drop_fp8_weights", lambda: None)()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+    live, now, peak, at_peak, peak_event = {}, 0, -1, {}, None
+    for ev in events:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _where(ev["frames"]))
+            now += ev["size"]
+            if now > peak:
+                peak, at_peak, peak_event = now, dict(live), ev
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])[0]
+    print(f"\n{'TE ' if args.peer else ''}{kind} {args.recipe}: peak {peak_gib:.3f} GiB over what the step started "
+          f"with ({peak / 2**30:.3f} GiB in the allocation history), reached by an allocation at "
+          f"{_where(peak_event['frames']) if peak_event else '-'}")
+    rows = [{"MiB": size / 2**20, "made_at": where} for size, where in sorted(at_peak.values(), key=lambda v: -v[0])]
+    report("allocations live at the peak", rows[: args.top], ["MiB", "made_at"], None)
+    return [{"kind": kind, "recipe": args.recipe, "peak_GiB": peak_gib}] + rows
+
+
+def _where(frames) -> str:
+    """The innermost te_parallel and benchmark frames of an allocation (up to three), innermost first."""
+    ours = [f for f in frames if "te_parallel" in f["filename"] or "benchmarks" in f["filename"]][:3]
+    return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in ours) or "torch"
+
+
 def gemms(args) -> list:
     m, k, n = (int(v) for v in args.shape.split("x"))
     dev, rows = "cuda", []
@@ -200,12 +245,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead of the kernels")
     ap.add_argument("--gaps", action="store_true", help="also list the idle gaps between kernels and their cause")
+    ap.add_argument("--memory", action="store_true", help="the allocations live at the step's memory peak instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if (args.host or args.gaps or args.memory) and args.what == "gemm":
+        sys.exit("--host, --gaps and --memory go with linear or layer, not gemm")
+    if args.memory and (args.host or args.gaps):
+        sys.exit("--memory goes alone: not with --host or --gaps")
     if not torch.cuda.is_available():
         sys.exit("profile_step needs a CUDA GPU")
     if args.what == "gemm":
         rows = gemms(args)
+    elif args.memory:
+        rows = memory_profile(args.what, args)
     else:
         rows = host_profile(args.what, args) if args.host else profile(args.what, args)
     if args.json:
