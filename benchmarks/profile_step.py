@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import report, te_training_step, time_cuda, training_step, transformer_engine  # noqa: E402
+from common import Parser, report, te_training_step, time_cuda, training_step, transformer_engine  # noqa: E402
 from te_parallel import recipe  # noqa: E402
 
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "bf16": None, "torch": None}
@@ -234,8 +234,8 @@ def gemms(args) -> list:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["linear", "layer", "gemm"])
     ap.add_argument("--shape", default="8192x4096x16384")
     ap.add_argument("--recipe", default="delayed", choices=list(RECIPES))
@@ -247,11 +247,16 @@ def main() -> None:
     ap.add_argument("--gaps", action="store_true", help="also list the idle gaps between kernels and their cause")
     ap.add_argument("--memory", action="store_true", help="the allocations live at the step's memory peak instead")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if (args.host or args.gaps or args.memory) and args.what == "gemm":
-        sys.exit("--host, --gaps and --memory go with linear or layer, not gemm")
+        ap.error("--host, --gaps and --memory go with linear or layer, not gemm")
     if args.memory and (args.host or args.gaps):
-        sys.exit("--memory goes alone: not with --host or --gaps")
+        ap.error("--memory goes alone: not with --host or --gaps")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step needs a CUDA GPU")
     if args.what == "gemm":

@@ -1,4 +1,4 @@
-"""The command lines of benchmarks/bench_host.py and benchmarks/bench_transformer.py, and the parts of
+"""The command lines of benchmarks/bench_host.py, bench_transformer.py and profile_step.py, and the parts of
 them that run on the CPU.
 
 A mistake on either command line: exit status 2 and one line on stderr naming the flag, before any work.
@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_host  # noqa: E402
 import bench_transformer  # noqa: E402
+import profile_step  # noqa: E402
 
 # (parser, arguments, text the one line must hold)
 MISTAKES = {
@@ -39,6 +40,10 @@ MISTAKES = {
     "transformer: zero sequence": (bench_transformer, ["--seq", "0"], "--seq 0"),
     "transformer: no warm-up": (bench_transformer, ["--compile", "--compile-warmup", "0"], "--compile-warmup 0"),
     "transformer: unknown flag": (bench_transformer, ["--graphs"], "--graphs"),
+    "profile: --memory with gemm": (profile_step, ["gemm", "--memory"], "not gemm"),
+    "profile: --memory with --host": (profile_step, ["layer", "--memory", "--host"], "--memory goes alone"),
+    "profile: --memory with --gaps": (profile_step, ["linear", "--memory", "--gaps"], "--memory goes alone"),
+    "profile: unknown recipe": (profile_step, ["layer", "--recipe", "mxfp8"], "--recipe"),
 }
 
 
