@@ -72,11 +72,7 @@ def quantize(
         scale = scale.detach().to(torch.float32).reshape(())
     if native_cast.usable(x):
         if dbias_out is None and native_ops.usable():  # one call through torch's dispatcher (host time)
-            data, data_t, scale_inv, snapshot = native_ops.cast_fp8(x, scale, amax_out, fp8_dtype, rowwise, transpose,
-                                                                    keep_scale)
-            return Float8Tensor(data=data if rowwise else data_t.t(), scale_inv=scale_inv,
-                                data_t=data_t if transpose else None,
-                                scale=snapshot.view(()) if keep_scale else None)
+            return _cast_op(x, scale, amax_out, fp8_dtype, rowwise, transpose, keep_scale)
         # written by the kernel: 1 / scale (and the scale's snapshot beside it, when asked for)
         if keep_scale:
             scales = torch.empty(2, dtype=torch.float32, device=x.device)
@@ -105,17 +101,21 @@ def quantize_current(
     """Current scaling: scale = fp8_max / amax(x) (or a given amax, e.g. one all-reduced across ranks)."""
     _check_fp8_dtype(fp8_dtype)
     if amax is None and dbias_out is None and x.dim() == 2 and native_cast.usable(x) and native_ops.usable():
-        # amax, scale and the cast in one call (three launches)
-        data, data_t, scale_inv, snapshot = native_ops.cast_fp8(x.detach(), None, None, fp8_dtype, True, transpose,
-                                                                keep_scale)
-        return Float8Tensor(data=data, scale_inv=scale_inv, data_t=data_t if transpose else None,
-                            scale=snapshot.view(()) if keep_scale else None)
+        return _cast_op(x.detach(), None, None, fp8_dtype, True, transpose, keep_scale)  # amax, scale, cast: one call
     if amax is None and native_scaling.current_usable(x):  # amax and scale in two launches
         scale = native_scaling.current_scale_of(x.detach(), fp8_max(fp8_dtype))[0]
     else:
         scale = current_scale(amax_of(x) if amax is None else amax, fp8_max(fp8_dtype))
     return quantize(x, scale, fp8_dtype, transpose=transpose, dbias_out=dbias_out,
                     keep_scale=keep_scale)
+
+
+def _cast_op(x, scale, amax_out, fp8_dtype, rowwise: bool, transpose: bool, keep_scale: bool) -> Float8Tensor:
+    """quantize by te_parallel::cast_fp8 (scale None: current scaling inside the op)."""
+    data, data_t, scale_inv, snapshot = native_ops.cast_fp8(x, scale, amax_out, fp8_dtype, rowwise, transpose,
+                                                            keep_scale)
+    return Float8Tensor(data=data if rowwise else data_t.t(), scale_inv=scale_inv,
+                        data_t=data_t if transpose else None, scale=snapshot.view(()) if keep_scale else None)
 
 
 def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
