@@ -264,3 +264,59 @@ def test_dgrad_operands_freed_before_wgrad(kind, rec, retain, device, monkeypatc
     assert seen == [[retain, retain]] * len(seen)
     for a, b in zip(released, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["freed", "retain_graph"])
+@pytest.mark.parametrize("chunk_rows", [16, 32], ids=["even", "ragged"])
+def test_fp8_gradient_written_over_h(chunk_rows, retain, device, monkeypatch):
+    """Under the FP8 activation with row chunks, fc1's FP8 output gradient is written into h's memory (h's
+    rows are spent by then) instead of a new allocation while h is live; its transposed copy is made
+    after fc1's dgrad, and the row-major bytes (h's memory) are gone when wgrad runs. With
+    retain_graph=True h is kept intact and the gradient gets its own memory. Gradients as unfused."""
+    from te_parallel.ops import linear as linear_ops
+
+    mlp = te.LayerNormMLP(64, 96, activation="swiglu", params_dtype=torch.bfloat16, device=device,
+                          bwd_chunk_bytes=chunk_rows * 96 * 2)
+    twin = copy.deepcopy(mlp)
+    x = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(16, 3, 64, device=device, dtype=torch.bfloat16)
+    h_ptrs, g_ptrs, at_wgrad = [], [], []
+    real_init, real_bwd, real_wgrad = mlp_ops._ActivationGradRows.__init__, mlp_ops.linear_bwd, linear_ops._wgrad
+
+    def init(self, ctx, *a, **k):
+        h_ptrs.append((ctx.h.data_ptr(), ctx.h.data_ptr() + ctx.h.numel() * ctx.h.element_size()))
+        real_init(self, ctx, *a, **k)
+
+    def bwd(s, g, *a, dy_q=None, **k):
+        if dy_q is not None:
+            g_ptrs.append(dy_q.data.data_ptr())
+        return real_bwd(s, g, *a, dy_q=dy_q, **k)
+
+    def wgrad(dy_, *a):
+        if g_ptrs and not at_wgrad:  # fc1's wgrad (fc2's ran before the chunks): its operand outside h
+            lo, hi = h_ptrs[0]
+            at_wgrad.append(all(not lo <= t.data_ptr() < hi for t in (dy_.data, dy_.data_t)))
+        return real_wgrad(dy_, *a)
+
+    rec = recipe.DelayedScaling()
+    with monkeypatch.context() as mp:
+        mp.setattr(mlp_ops._ActivationGradRows, "__init__", init)
+        mp.setattr(mlp_ops, "linear_bwd", bwd)
+        mp.setattr(linear_ops, "_wgrad", wgrad)
+        mp.setattr(layernorm_mlp, "norm_to_fp8", lambda *args: None)
+        xi = x.clone().requires_grad_(True)
+        with te.fp8_autocast(fp8_recipe=rec):
+            y = mlp(xi)
+        y.backward(dy, retain_graph=retain)
+    assert (g_ptrs == [h_ptrs[0][0]]) == (not retain) and len(g_ptrs) == 1
+    assert at_wgrad == [True]  # wgrad reads no byte of h's memory (its transposed copy has its own)
+    xt = x.clone().requires_grad_(True)
+    with monkeypatch.context() as mp:
+        mp.setattr(layernorm_mlp, "norm_to_fp8", lambda *args: None)
+        mp.setattr(layernorm_mlp, "can_fuse", lambda *args: False)
+        with te.fp8_autocast(fp8_recipe=rec):
+            yt = twin(xt)
+        yt.backward(dy)
+    torch.testing.assert_close(xi.grad, xt.grad, rtol=0, atol=0)
+    for (name, p), q in zip(mlp.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

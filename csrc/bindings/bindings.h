@@ -26,5 +26,6 @@ void bind_activation(pybind11::module_& m);  // activation.cpp: bias + activatio
 void bind_comm_overlap(pybind11::module_& m);  // comm_overlap.cpp: csrc/comm_gemm_overlap
 void bind_gemm(pybind11::module_& m);          // gemm.cpp: the cuBLASLt FP8 GEMM (csrc/gemm)
 void bind_rope(pybind11::module_& m);          // rope.cpp: rotary position embedding
+void bind_dropout(pybind11::module_& m);       // dropout.cpp: dropout (+ residual add), mask regenerated
 
 }  // namespace tep_bindings

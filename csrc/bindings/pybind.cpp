@@ -80,4 +80,5 @@ PYBIND11_MODULE(_C, m) {
   tep_bindings::bind_comm_overlap(m);
   tep_bindings::bind_gemm(m);
   tep_bindings::bind_rope(m);
+  tep_bindings::bind_dropout(m);
 }

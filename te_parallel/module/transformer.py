@@ -17,6 +17,7 @@ from te_parallel.module.multi_head_attention import MultiheadAttention, head_dim
 from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
 from te_parallel.parallel.groups import as_group
 from te_parallel.ops.attention import check_mask_type
+from te_parallel.ops.dropout import dropout_add
 
 
 class DropPath(nn.Module):
@@ -124,11 +125,14 @@ class TransformerLayer(nn.Module):
     def _dropout_add(self, out, residual):
         """residual + drop_path(dropout(out)); the projections add their bias in the GEMM epilogue.
         Under SP the activations are sequence shards, so the dropout draws from the tracker's
-        model-parallel stream (a different mask per rank)."""
+        model-parallel stream (a different mask per rank). Without drop path, dropout and add are one
+        native pass that stores no mask (te_parallel.ops.dropout) where the kernel runs."""
         ctx = contextlib.nullcontext()
         if self.sequence_parallel and self.training and self.hidden_dropout > 0 and self.get_rng_state_tracker:
             ctx = self.get_rng_state_tracker().fork()
         with ctx:
+            if not (self.training and self.drop_path.p > 0):
+                return dropout_add(out, residual, self.hidden_dropout, self.training)
             out = F.dropout(out, p=self.hidden_dropout, training=self.training)
         return residual + self.drop_path(out)
 

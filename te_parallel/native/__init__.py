@@ -2,7 +2,7 @@
 
 Layering (docs/architecture.md): the csrc/ kernels know no torch, and te_parallel._C passes raw device
 pointers and the stream as integers. This package is the only importer of te_parallel._C: one module
-per kernel family (cast, scaling, gemm, norm, activation, rope, comm_overlap) turns torch tensors into those
+per kernel family (cast, scaling, gemm, norm, activation, rope, dropout, comm_overlap) turns torch tensors into those
 integers after checking everything the kernel relies on (device, dtype, contiguity, shapes), so a wrong
 call fails with a one-line message (what was given, what is needed) instead of corrupting memory.
 

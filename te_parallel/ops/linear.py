@@ -333,8 +333,8 @@ def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
     if need_dx:
         dx2d = _dgrad(dy, s.w_saved, s.act_dtype, s.fp8)
         dx2d, dx_handle = _reduce_dgrad(dx2d, par)  # async, overlaps wgrad
-        if need_dw and not keep_graph():
-            _release_dgrad_operands(s, dy)
+    if need_dw and not keep_graph():
+        _release_dgrad_operands(s, dy)
     dw = None
     if need_dw:
         if x_handle is not None:
@@ -346,12 +346,14 @@ def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
 
 
 def _release_dgrad_operands(s, dy) -> None:
-    """After dgrad, before wgrad allocates dW: drop the backward's Wᵀ and the row-major FP8 dy (wgrad
-    reads only dy's transposed copy). On the Llama layer's fc1 that is 2 × [tokens, ffn] bytes less at
-    the step's peak (docs/fp8.md, "Saved operands are freed when their backward has run"). dy here is
-    always this backward's own tensor; the caller checks that the graph is not kept."""
+    """After dgrad (if any), before wgrad allocates dW: drop the backward's Wᵀ and the row-major FP8 dy
+    (wgrad reads only dy's transposed copy, made here if its cast did not make it). On the Llama layer's
+    fc1 that is 2 × [tokens, ffn] bytes less at the step's peak (docs/fp8.md, "Saved operands are freed
+    when their backward has run"). dy here is always this backward's own tensor; the caller checks that
+    the graph is not kept."""
     s.w_saved = None
-    if isinstance(dy, Float8Tensor) and dy.data_t is not None:
+    if isinstance(dy, Float8Tensor):
+        dy.transposed()
         dy.data = dy.data_t.t()  # same shape, a view of the transposed bytes: the row-major ones are freed
 
 

@@ -185,40 +185,74 @@ class FusedMLPFunction(torch.autograd.Function):
 class _ActivationGradRows:
     """linear_bwd's dx_rows consumer: turns each row chunk of fc2's dgrad output `da` into those rows of
     the activation's gradient da·act'(h). FP8 bytes with the FP8 activation (fc1's dbias summed per
-    chunk in fp32), else high precision, written into h itself when `in_place` (h's rows are consumed
-    chunk by chunk; not when the graph is kept). The gradient is allocated at the first chunk, after
-    fc2's wgrad has released its operands."""
+    chunk in fp32), else high precision. When `in_place` (the graph is not kept) the gradient is written
+    into h's own memory, whose rows are consumed chunk by chunk (_spent_h_bytes); otherwise it is
+    allocated at the first chunk, after fc2's wgrad has released its operands."""
 
     def __init__(self, ctx, chunk: int, need_dbias: bool, in_place: bool):
         self.name, self.h, self.fp8_1, self.fp8_act = ctx.name, ctx.h, ctx.fp8_1, ctx.fp8_act
         self.chunk, self.need_dbias, self.in_place = chunk, need_dbias, in_place
-        self.g = self.parts = None
+        self.g = self.parts = self.first = self.spent = None
 
     def __call__(self, r0: int, da_rows: torch.Tensor) -> None:
         h, r1 = self.h, r0 + da_rows.shape[0]
         if self.g is None:
-            if not self.fp8_act:
-                self.g = h if self.in_place else torch.empty_like(h)
-            else:
-                self.g = torch.empty(h.shape, dtype=self.fp8_1.recipe.fp8_format.bwd_dtype, device=h.device)
-                if self.need_dbias:
-                    self.parts = h.new_empty((-(-h.shape[0] // self.chunk), h.shape[1]), dtype=torch.float32)
+            self._allocate(h)
+        if self.first is not None and r0 > 0:  # chunk 0's bytes go to their place, now spent
+            self.g[: self.first.shape[0]].copy_(self.first)
+            self.first = None
         if self.fp8_act:
-            self.fp8_1.cast_dactivation_rows(self.name, da_rows, h[r0:r1], self.g[r0:r1],
+            out = self.g[r0:r1]
+            if self.spent is not None and r0 == 0:
+                out = self.first = torch.empty_like(out)
+            self.fp8_1.cast_dactivation_rows(self.name, da_rows, h[r0:r1], out,
                                              None if self.parts is None else self.parts[r0 // self.chunk])
         else:
             _dact_into(self.name, da_rows, h[r0:r1], self.g[r0:r1])
 
+    def _allocate(self, h: torch.Tensor) -> None:
+        if not self.fp8_act:
+            self.g = h if self.in_place else torch.empty_like(h)
+            return
+        dtype = self.fp8_1.recipe.fp8_format.bwd_dtype
+        self.spent = _spent_h_bytes(h, dtype) if self.in_place else None
+        if self.spent is None:
+            self.g = torch.empty(h.shape, dtype=dtype, device=h.device)
+        else:  # rows [0, n) of the FP8 gradient over the first bytes of h
+            self.g = self.spent[: h.numel()].view(h.shape)
+        if self.need_dbias:
+            self.parts = h.new_empty((-(-h.shape[0] // self.chunk), h.shape[1]), dtype=torch.float32)
+
     def result(self, transpose: bool, dbias_dtype: torch.dtype):
         """(the whole gradient, fc1's dbias or None), releasing h: the FP8 one as a Float8Tensor with its
-        transposed copy when fc1's wgrad needs it (made now, by the byte transpose)."""
-        g, self.g, self.h = self.g, None, None
+        transposed copy when fc1's wgrad needs it, made now by the byte transpose; or, when the gradient
+        lives in h's memory, by fc1's backward after its dgrad, which then drops the row-major bytes and
+        with them h's memory before wgrad allocates dW (ops/linear.py, _release_dgrad_operands)."""
+        if self.first is not None:
+            self.g[: self.first.shape[0]].copy_(self.first)
+        g, in_h = self.g, self.spent is not None
+        self.g = self.h = self.first = self.spent = None
         if not self.fp8_act:
             return g, None
         g = self.fp8_1.dactivation_fp8(g)
-        if transpose:
+        if transpose and not in_h:
             g.transposed()
         return g, None if self.parts is None else self.parts.sum(0).to(dbias_dtype)
+
+
+def _spent_h_bytes(h: torch.Tensor, fp8_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """h's memory as a flat FP8 tensor, for the FP8 gradient (and then its transpose) to be written over h
+    as its rows are consumed; None where h does not own all of its memory or is not at least 2 bytes
+    per element. Chunk k ≥ 1 (rows [r0, r1), r0 ≥ the chunk) writes gradient bytes [r0·n, r1·n) (n
+    columns), which hold h's rows below r1/2 ≤ r0: rows already consumed; chunk 0's bytes would overlap
+    the rows it reads, so they go to a chunk-sized buffer and move into place when chunk 1 starts. This
+    saves the [tokens, ffn] FP8 gradient's allocation while h is still live, the MLP backward's memory
+    peak."""
+    storage = h.untyped_storage()
+    if (h.element_size() < 2 or not h.is_contiguous() or h.storage_offset() != 0
+            or storage.nbytes() != h.numel() * h.element_size()):
+        return None
+    return torch.empty(0, dtype=fp8_dtype, device=h.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _fc1_operand(ctx, s1, g, db1, need_w1: bool, need_db1: bool):
