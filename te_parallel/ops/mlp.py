@@ -241,8 +241,9 @@ class _ActivationGradRows:
 
 
 def _spent_h_bytes(h: torch.Tensor, fp8_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """h's memory as a flat FP8 tensor, for the FP8 gradient to be written over h as its rows are consumed; None where h does not own all of its memory or is not at least 2 bytes
-    per element. Chunk k ≥ 1 (rows [r0, r1), r0 ≥ the chunk) writes gradient bytes [r0·n, r1·n) (n
+    """h's memory as a flat FP8 tensor, for the FP8 gradient to be written over h as its rows are
+    consumed; None where h does not own all of its memory or is not at least 2 bytes per element.
+    Chunk k ≥ 1 (rows [r0, r1), r0 ≥ the chunk) writes gradient bytes [r0·n, r1·n) (n
     columns), which hold h's rows below r1/2 ≤ r0: rows already consumed; chunk 0's bytes would overlap
     the rows it reads, so they go to a chunk-sized buffer and move into place when chunk 1 starts. This
     saves the [tokens, ffn] FP8 gradient's allocation while h is still live, the MLP backward's memory
