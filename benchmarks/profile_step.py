@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|bf16]
     python benchmarks/profile_step.py layer  [--model gpt|llama] [--recipe delayed|current|bf16|torch] [--batch 4]
     add --peer to linear / layer to profile NVIDIA Transformer Engine's module (installed beside)
+    add --compile to linear / layer to profile te_parallel's module under torch.compile
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
     add --host to linear / layer for a cProfile of the host side of 8 steps
     add --gaps to linear / layer for the idle gaps between kernels (and whether the host was late)
@@ -62,6 +63,8 @@ def _build(kind: str, args):
                    rope_cls(size.hidden // size.heads).to("cuda")(size.seq)}
     if peer is not None:
         return te_training_step(mod, x, dy, None if args.recipe == "bf16" else args.recipe, **fwd)
+    if args.compile:
+        mod = torch.compile(mod, dynamic=False)
     return training_step(mod, x, dy, rec, **fwd)
 
 
@@ -242,6 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", choices=["gpt", "llama"], default="gpt", help="layer: bench_transformer's model")
     ap.add_argument("--batch", type=int, default=None, help="layer: micro-batch (default: the model's)")
     ap.add_argument("--peer", action="store_true", help="profile NVIDIA Transformer Engine's module instead")
+    ap.add_argument("--compile", action="store_true", help="te_parallel's module under torch.compile(dynamic=False)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead of the kernels")
     ap.add_argument("--gaps", action="store_true", help="also list the idle gaps between kernels and their cause")
@@ -252,6 +256,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--host, --gaps and --memory go with linear or layer, not gemm")
     if args.memory and (args.host or args.gaps):
         ap.error("--memory goes alone: not with --host or --gaps")
+    if args.compile and (args.peer or args.what == "gemm" or args.recipe == "torch"):
+        ap.error(f"--compile profiles te_parallel's linear or layer; got {args.what} with "
+                 f"{'--peer' if args.peer else '--recipe ' + args.recipe}")
     return args
 
 

@@ -13,6 +13,10 @@ autograd Function, the FP8 entry points with their PyTorch fallbacks and the fp6
 
 Activations are named as in the extension's ACTIVATIONS table (TE's names); which are gated, the
 extension says (tep_activation_is_gated).
+
+Under torch.compile the two wrappers are the custom ops te_parallel::bias_activation_fwd /
+dbias_dactivation_bwd (opaque nodes of the graph, with fake kernels for tracing), which run these same
+kernels when the graph runs; te_parallel.ops.activation registers their CPU kernels (its PyTorch path).
 """
 from __future__ import annotations
 
@@ -31,10 +35,10 @@ Opt = Optional[torch.Tensor]
 def usable(name: str, x: torch.Tensor, bias: Opt = None) -> bool:
     """True if the kernels compute act(x + bias) for this x [..., cols] (and would accept it): a known
     activation (ACTIVATIONS is empty without the extension), a non-empty CUDA x of a dtype they read, an
-    even number of columns for a gated one, a bias [cols] of x's dtype on its device; not while
-    torch.compile traces (it cannot trace into the extension). Checked cheaply, for every call."""
+    even number of columns for a gated one, a bias [cols] of x's dtype on its device. Checked cheaply, for
+    every call."""
     if not (name in ACTIVATIONS and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in HIGH_PRECISION_DTYPES
-            and x.dim() >= 1 and x.numel() > 0 and not torch.compiler.is_compiling()):
+            and x.dim() >= 1 and x.numel() > 0):
         return False
     cols = x.shape[-1]
     if name in GATED_ACTIVATIONS and cols % 2:
@@ -121,6 +125,10 @@ def bias_activation_forward(
     [out_cols, rows] transpose. amax_out: a 1-element float32 CUDA tensor that receives
     max(amax_out, max |y|) (NaN propagates). Runs on the current stream.
     """
+    if torch.compiler.is_compiling():
+        out, data, data_t = _act_fwd_op(name, x, bias, high_precision, fp8_dtype, scale, amax_out, transpose)
+        fp8 = fp8_dtype is not None
+        return (out if high_precision else None, data if fp8 else None, data_t if fp8 and transpose else None)
     where = "bias_activation_forward"
     module = require(where, "activation")
     rows, cols, out_cols = _check_inputs(where, name, x, bias)
@@ -166,6 +174,9 @@ def dbias_dactivation_backward(
     them, and no transpose is made); dbias_out, a contiguous [cols] float tensor, receives dbias; dx_out,
     a contiguous [rows, cols] tensor of x's dtype, receives dx (with high_precision).
     """
+    if torch.compiler.is_compiling():
+        return _backward_in_graph(name, dy, x, bias, need_dbias, high_precision, fp8_dtype, scale, amax_out,
+                                  transpose, fp8_out, dbias_out, dx_out)
     where = "dbias_dactivation_backward"
     module = require(where, "activation")
     rows, cols, out_cols = _check_inputs(where, name, x, bias)
@@ -207,3 +218,71 @@ def dbias_dactivation_backward(
     if fp8_out is not None:
         return dx, dbias, None, None
     return dx, dbias, data, data_t
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom ops of compiled graphs: the same kernels, behind torch's dispatcher. Absent outputs are
+# empty tensors (an op returns tensors only), and the wrappers' out tensors (fp8_out, dbias_out, dx_out)
+# are filled from the op's results (a graph holds no writes into tensors the kernel does not own).
+
+def _empty(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return x.new_empty((0,), dtype=dtype or x.dtype)
+
+
+@torch.library.custom_op("te_parallel::bias_activation_fwd", mutates_args=("amax_out",), device_types="cuda")
+def _act_fwd_op(name: str, x: torch.Tensor, bias: Optional[torch.Tensor], high_precision: bool,
+                fp8_dtype: Optional[torch.dtype], scale: Optional[torch.Tensor], amax_out: Optional[torch.Tensor],
+                transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, data, data_t = bias_activation_forward(name, x, bias, high_precision=high_precision, fp8_dtype=fp8_dtype,
+                                                scale=scale, amax_out=amax_out, transpose=transpose)
+    return (_empty(x) if out is None else out, _empty(x, torch.uint8) if data is None else data,
+            _empty(x, torch.uint8) if data_t is None else data_t)
+
+
+@_act_fwd_op.register_fake
+def _(name, x, bias, high_precision, fp8_dtype, scale, amax_out, transpose):
+    rows, cols = x.shape
+    out_cols = cols // 2 if name in GATED_ACTIVATIONS else cols
+    fp8 = fp8_dtype is not None
+    return (x.new_empty((rows, out_cols)) if high_precision else _empty(x),
+            x.new_empty((rows, out_cols), dtype=fp8_dtype) if fp8 else _empty(x, torch.uint8),
+            x.new_empty((out_cols, rows), dtype=fp8_dtype) if fp8 and transpose else _empty(x, torch.uint8))
+
+
+def _backward_in_graph(name, dy, x, bias, need_dbias, high_precision, fp8_dtype, scale, amax_out, transpose,
+                       fp8_out, dbias_out, dx_out):
+    fp8 = fp8_dtype is not None
+    dx, dbias, data, data_t = _act_bwd_op(name, dy, x, bias, need_dbias, high_precision, fp8_dtype, scale, amax_out,
+                                          transpose and fp8_out is None)
+    dx = dx if high_precision else None
+    dbias = dbias if need_dbias else None
+    if dx_out is not None and dx is not None:
+        dx = dx_out.copy_(dx)
+    if dbias_out is not None and dbias is not None:
+        dbias = dbias_out.copy_(dbias)
+    if fp8_out is not None:
+        fp8_out.copy_(data)
+        return dx, dbias, None, None
+    return dx, dbias, data if fp8 else None, data_t if fp8 and transpose else None
+
+
+@torch.library.custom_op("te_parallel::dbias_dactivation_bwd", mutates_args=("amax_out",), device_types="cuda")
+def _act_bwd_op(name: str, dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], need_dbias: bool,
+                high_precision: bool, fp8_dtype: Optional[torch.dtype], scale: Optional[torch.Tensor],
+                amax_out: Optional[torch.Tensor],
+                transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dbias, data, data_t = dbias_dactivation_backward(name, dy, x, bias, need_dbias=need_dbias,
+                                                         high_precision=high_precision, fp8_dtype=fp8_dtype,
+                                                         scale=scale, amax_out=amax_out, transpose=transpose)
+    return (_empty(x) if dx is None else dx, _empty(x) if dbias is None else dbias,
+            _empty(x, torch.uint8) if data is None else data, _empty(x, torch.uint8) if data_t is None else data_t)
+
+
+@_act_bwd_op.register_fake
+def _(name, dy, x, bias, need_dbias, high_precision, fp8_dtype, scale, amax_out, transpose):
+    rows, cols = x.shape
+    fp8 = fp8_dtype is not None
+    return (x.new_empty((rows, cols)) if high_precision else _empty(x),
+            x.new_empty((cols,)) if need_dbias else _empty(x),
+            x.new_empty((rows, cols), dtype=fp8_dtype) if fp8 else _empty(x, torch.uint8),
+            x.new_empty((cols, rows), dtype=fp8_dtype) if fp8 and transpose else _empty(x, torch.uint8))

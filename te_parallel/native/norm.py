@@ -8,6 +8,10 @@ The forward reads x once and also returns mu (LayerNorm) and rsigma, fp32 [rows]
 takes. With `fp8=FP8NormOutput(...)` the output is fp8(y * scale) (te_parallel.ops.cast's rounding
 and saturation, bit for bit) plus an optional transposed copy, and amax_out receives max |y|.
 Norms are named as in the extension's NORM_TYPES table: "layer_norm", "rms_norm".
+
+Under torch.compile `forward` and `backward` are the custom ops te_parallel::norm_fwd / norm_bwd
+(opaque nodes of the graph, with fake kernels for tracing), which run these same kernels when the graph
+runs; te_parallel.ops.norm registers their CPU kernels (its PyTorch path).
 """
 from __future__ import annotations
 
@@ -39,14 +43,12 @@ class FP8NormOutput(NamedTuple):
 
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """True if the kernels normalise x [..., hidden] with this weight (and bias): a non-empty CUDA x and a
-    1-D weight on its device, of dtypes the kernels read, the bias of the weight's dtype; not while
-    torch.compile traces (it cannot trace into the extension); the extension loaded (NORM_TYPES is
-    empty without it). Checked cheaply, for every call."""
+    1-D weight on its device, of dtypes the kernels read, the bias of the weight's dtype; the extension
+    loaded (NORM_TYPES is empty without it). Checked cheaply, for every call."""
     dtypes = HIGH_PRECISION_DTYPES
     return (bool(NORM_TYPES) and x.is_cuda and x.dtype in dtypes and x.numel() > 0 and weight.dtype in dtypes
             and weight.dim() == 1 and weight.device == x.device
-            and (bias is None or (bias.dtype == weight.dtype and bias.device == x.device))
-            and not torch.compiler.is_compiling())
+            and (bias is None or (bias.dtype == weight.dtype and bias.device == x.device)))
 
 
 def _code(fn: str, norm: str) -> int:
@@ -115,6 +117,8 @@ def forward(norm: str, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torc
     """Forward of `norm` ("layer_norm" or "rms_norm") of a contiguous CUDA [rows, hidden] x: (out, mu or
     None, rsigma). out: y in out_dtype (default x.dtype), or with fp8 the pair (data, data_t or None).
     gamma, beta (beta may be None; always None for rms_norm): [hidden] float32/float16/bfloat16, one dtype."""
+    if torch.compiler.is_compiling():
+        return _forward_in_graph(norm, x, gamma, beta, eps, zero_centered_gamma, fp8, out_dtype)
     fn = f"{norm}_fwd"
     _check_x(fn, "x", x)
     _check_params(fn, x, gamma, beta)
@@ -173,6 +177,9 @@ def backward(norm: str, dy: torch.Tensor, x: torch.Tensor, mu: Optional[torch.Te
     """Backward of forward(norm, ...): (dx in x's dtype, dgamma and dbeta in gamma's dtype; dbeta None
     unless layer_norm with_dbeta). dy: [rows, hidden] in x's dtype; mu None for rms_norm. dgamma/dbeta
     are deterministic."""
+    if torch.compiler.is_compiling():
+        dx, dgamma, dbeta = _norm_bwd_op(norm, dy, x, mu, rsigma, gamma, zero_centered_gamma, with_dbeta)
+        return dx, dgamma, dbeta if with_dbeta and norm == "layer_norm" else None
     fn = f"{norm}_bwd"
     _check_x(fn, "x", x)
     _check_x(fn, "dy", dy)
@@ -218,3 +225,57 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, rsigma: torch.Tensor, gamma:
     """Backward of rms_norm_fwd: (dx in x's dtype, dgamma in gamma's dtype)."""
     dx, dgamma, _ = backward("rms_norm", dy, x, None, rsigma, gamma, zero_centered_gamma, False)
     return dx, dgamma
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom ops of compiled graphs: the same kernels, behind torch's dispatcher. Absent outputs are
+# empty tensors (an op returns tensors only): out_t [0, rows], mu [0], dbeta [0].
+
+def _forward_in_graph(norm, x, gamma, beta, eps, zero_centered_gamma, fp8, out_dtype):
+    spec = None if fp8 is None else FP8NormOutput(*fp8)
+    out, out_t, mu, rsigma = _norm_fwd_op(norm, x, gamma, beta, float(eps), bool(zero_centered_gamma),
+                                          None if spec is None else spec.scale,
+                                          None if spec is None else spec.fp8_dtype,
+                                          None if spec is None else spec.amax_out,
+                                          spec is not None and bool(spec.transpose), out_dtype)
+    if spec is not None:
+        out = (out, out_t if spec.transpose else None)
+    return out, (mu if norm == "layer_norm" else None), rsigma
+
+
+@torch.library.custom_op("te_parallel::norm_fwd", mutates_args=("amax_out",), device_types="cuda")
+def _norm_fwd_op(norm: str, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], eps: float,
+                 zero_centered_gamma: bool, scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype],
+                 amax_out: Optional[torch.Tensor], transpose: bool,
+                 out_dtype: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = None if fp8_dtype is None else FP8NormOutput(scale, fp8_dtype, amax_out, transpose)
+    out, mu, rsigma = forward(norm, x, gamma, beta, eps, zero_centered_gamma, spec, out_dtype)
+    if spec is not None:
+        out, out_t = out
+    rows = x.shape[0]
+    return (out, x.new_empty((0, rows), dtype=out.dtype) if spec is None or out_t is None else out_t,
+            x.new_empty((0,), dtype=torch.float32) if mu is None else mu, rsigma)
+
+
+@_norm_fwd_op.register_fake
+def _(norm, x, gamma, beta, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, transpose, out_dtype):
+    rows, hidden = x.shape
+    dtype = fp8_dtype if fp8_dtype is not None else (out_dtype or x.dtype)
+    return (x.new_empty((rows, hidden), dtype=dtype),
+            x.new_empty((hidden, rows) if fp8_dtype is not None and transpose else (0, rows), dtype=dtype),
+            x.new_empty((rows if norm == "layer_norm" else 0,), dtype=torch.float32),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("te_parallel::norm_bwd", mutates_args=(), device_types="cuda")
+def _norm_bwd_op(norm: str, dy: torch.Tensor, x: torch.Tensor, mu: Optional[torch.Tensor], rsigma: torch.Tensor,
+                 gamma: torch.Tensor, zero_centered_gamma: bool,
+                 with_dbeta: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dgamma, dbeta = backward(norm, dy, x, mu, rsigma, gamma, zero_centered_gamma, with_dbeta)
+    return dx, dgamma, gamma.new_empty((0,)) if dbeta is None else dbeta
+
+
+@_norm_bwd_op.register_fake
+def _(norm, dy, x, mu, rsigma, gamma, zero_centered_gamma, with_dbeta):
+    return (torch.empty_like(x), torch.empty_like(gamma),
+            torch.empty_like(gamma) if with_dbeta and norm == "layer_norm" else gamma.new_empty((0,)))

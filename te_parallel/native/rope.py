@@ -1,8 +1,14 @@
 """The RoPE kernel (csrc/kernels/rope.cu; C API te_parallel/rope.h): q or k rotated by its angles in one
-pass, forward or backward, computed in fp32 and rounded once."""
+pass, forward or backward, computed in fp32 and rounded once.
+
+Under torch.compile `rope` is the custom op te_parallel::rope (an opaque node of the graph, with a fake
+kernel for tracing), which runs this kernel when the graph runs; te_parallel.ops.rope registers its CPU
+kernel (its PyTorch path)."""
 from __future__ import annotations
 
 import torch
+
+from typing import Optional
 
 from te_parallel.native import DTYPES, HIGH_PRECISION_DTYPES, describe, launch_on, require
 
@@ -11,17 +17,19 @@ __all__ = ["usable", "rope"]
 
 def usable(x: torch.Tensor, freqs: torch.Tensor) -> bool:
     """True if the kernel takes x [S, B, H, D] (last dim contiguous, fp32/fp16/bf16 on CUDA) and angles
-    freqs [S, rot] (fp32, last dim contiguous, on x's device), with the extension loaded; not while
-    torch.compile traces (it cannot trace into the extension)."""
-    return (not torch.compiler.is_compiling() and x.is_cuda and x.dim() == 4 and x.numel() > 0 and x.stride(-1) == 1 and x.dtype in DTYPES
+    freqs [S, rot] (fp32, last dim contiguous, on x's device), with the extension loaded."""
+    return (x.is_cuda and x.dim() == 4 and x.numel() > 0 and x.stride(-1) == 1 and x.dtype in DTYPES
             and x.dtype in HIGH_PRECISION_DTYPES and freqs.dim() == 2 and freqs.dtype is torch.float32
             and freqs.device == x.device and freqs.stride(-1) == 1 and freqs.shape[0] == x.shape[0]
             and 2 <= freqs.shape[1] <= x.shape[3] and freqs.shape[1] % 2 == 0)
 
 
-def rope(x: torch.Tensor, freqs: torch.Tensor, backward: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+def rope(x: torch.Tensor, freqs: torch.Tensor, backward: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [S, B, H, D] rotated by freqs [S, rot] (rope.h's map, or its transpose when `backward`), into `out`
     (x's shape and dtype, D contiguous, any other strides) or a new contiguous tensor."""
+    if torch.compiler.is_compiling():
+        y = _rope_op(x, freqs, backward)
+        return y if out is None else out.copy_(y)
     module = require("rope", "rope")
     if not usable(x, freqs):
         raise ValueError(f"rope: got x {describe(x)} (strides {tuple(x.stride())}) and freqs {describe(freqs)}; "
@@ -39,3 +47,13 @@ def rope(x: torch.Tensor, freqs: torch.Tensor, backward: bool = False, out: torc
                     x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), freqs.stride(0),
                     freqs.shape[1], backward, stream)
     return out
+
+
+@torch.library.custom_op("te_parallel::rope", mutates_args=(), device_types="cuda")
+def _rope_op(x: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tensor:
+    return rope(x, freqs, backward)
+
+
+@_rope_op.register_fake
+def _(x, freqs, backward):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -205,3 +205,63 @@ def dbias_dactivation_reference(name: str, dy: torch.Tensor, x: torch.Tensor, bi
         v = (x.double() if bias is None else x.double() + bias.double()).detach().requires_grad_(True)
         (dx,) = torch.autograd.grad(activation_reference(name, v), v, dy.double())
     return dx, dx.sum(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU kernels of the native activation ops (te_parallel::bias_activation_fwd / dbias_dactivation_bwd,
+# which compiled graphs call): this module's PyTorch path, so that the ops run (and torch.library.opcheck
+# checks them) without a GPU. The FP8 bytes are quantize's of the rounded high-precision value, as the
+# kernels'.
+
+def _none_as_empty(t: Optional[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return like.new_empty((0,), dtype=dtype) if t is None else t
+
+
+@torch.library.register_kernel("te_parallel::bias_activation_fwd", "cpu")
+def _bias_activation_fwd_cpu(name, x, bias, high_precision, fp8_dtype, scale, amax_out, transpose):
+    y = bias_activation_torch(name, x, bias)
+    data = data_t = None
+    if fp8_dtype is not None:
+        q = quantize(y, scale.reshape(()), fp8_dtype, amax_out=amax_out, transpose=transpose)
+        data, data_t = q.data, q.data_t
+    elif amax_out is not None:
+        torch.maximum(amax_out, y.detach().abs().amax().float().view_as(amax_out), out=amax_out)
+    return (y if high_precision else x.new_empty((0,)), _none_as_empty(data, x, torch.uint8),
+            _none_as_empty(data_t, x, torch.uint8))
+
+
+def _act_and_slope(name: str, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(act(v), act'(v)) of a base activation from the formulas (as the kernels compute them), in v's dtype."""
+    if name in ("gelu", "geglu"):
+        k = (2 / torch.pi) ** 0.5
+        t = torch.tanh(k * (v + 0.044715 * v ** 3))
+        return 0.5 * v * (1 + t), 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * k * (1 + 3 * 0.044715 * v * v)
+    if name in ("relu", "reglu"):
+        return torch.relu(v), (v > 0).to(v.dtype)
+    if name in ("srelu", "sreglu"):
+        return torch.relu(v) ** 2, 2 * torch.relu(v)
+    c = 1.702 if name in ("qgelu", "qgeglu") else 1.0  # qgelu: v·σ(1.702v); silu: v·σ(v)
+    sig = torch.sigmoid(c * v)
+    return v * sig, sig + c * v * sig * (1 - sig)
+
+
+@torch.library.register_kernel("te_parallel::dbias_dactivation_bwd", "cpu")
+def _dbias_dactivation_bwd_cpu(name, dy, x, bias, need_dbias, high_precision, fp8_dtype, scale, amax_out, transpose):
+    # (a kernel runs below autograd: the derivative from the formulas, in fp32 and rounded once, as the kernels')
+    v = x.float() if bias is None else x.float() + bias.float()
+    g = dy.float()
+    if name in _GATED:
+        a, b = v.chunk(2, dim=-1)
+        act, slope = _act_and_slope(name, a)
+        dx = torch.cat([g * b * slope, g * act], dim=-1).to(x.dtype)
+    else:
+        dx = (g * _act_and_slope(name, v)[1]).to(x.dtype)
+    dbias = dx.float().sum(0).to(dx.dtype) if need_dbias else None
+    data = data_t = None
+    if fp8_dtype is not None:
+        q = quantize(dx, scale.reshape(()), fp8_dtype, amax_out=amax_out, transpose=transpose)
+        data, data_t = q.data, q.data_t
+    elif amax_out is not None:
+        torch.maximum(amax_out, dx.abs().amax().float().view_as(amax_out), out=amax_out)
+    return (dx if high_precision else x.new_empty((0,)), _none_as_empty(dbias, x, x.dtype),
+            _none_as_empty(data, x, torch.uint8), _none_as_empty(data_t, x, torch.uint8))

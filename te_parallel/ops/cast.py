@@ -133,3 +133,23 @@ def quantize_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dt
 
 def dequantize_reference(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return data.double() * scale_inv.double().reshape(())
+
+
+# ------------------------------------------------------------------------------------------
+# CPU kernels of the native cast ops (te_parallel::cast_transpose_amax / transpose_fp8, which compiled
+# graphs call): quantize's PyTorch path, so that the ops run (and torch.library.opcheck checks them)
+# without a GPU
+@torch.library.register_kernel("te_parallel::cast_transpose_amax", "cpu")
+def _cast_transpose_amax_cpu(x, scale, fp8_dtype, amax_out, transpose, rowwise, keep_scale, dbias_dtype):
+    dbias = None if dbias_dtype is None else x.new_empty((x.shape[1],), dtype=dbias_dtype)
+    q = quantize(x, scale, fp8_dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias, rowwise=rowwise,
+                 keep_scale=keep_scale)
+    empty = x.new_empty((0,), dtype=fp8_dtype)
+    return (q.data if rowwise else empty, q.data_t if transpose else empty.clone(),
+            q.scale_inv.reshape(()).clone(), q.scale.reshape(()) if keep_scale else x.new_empty((0,), dtype=torch.float32),
+            x.new_empty((0,)) if dbias is None else dbias)
+
+
+@torch.library.register_kernel("te_parallel::transpose_fp8", "cpu")
+def _transpose_fp8_cpu(data):
+    return data.t().contiguous()

@@ -214,3 +214,42 @@ def layer_norm_bwd_reference(dy, x, weight, bias, eps, zero_centered_gamma=False
 def rms_norm_bwd_reference(dy, x, weight, eps, zero_centered_gamma=False):
     """(dx, dweight) of rms_norm_reference, in fp64."""
     return _grads_fp64(lambda x_, w: rms_norm_reference(x_, w, eps, zero_centered_gamma), dy, x, (weight,))
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU kernels of the native norm ops (te_parallel::norm_fwd / norm_bwd, which compiled graphs call):
+# this module's PyTorch path, so that the ops run (and torch.library.opcheck checks them) without a GPU
+
+def _torch_norm(norm: str, x, gamma, beta, eps, zero_centered_gamma):
+    if norm == "layer_norm":
+        return layer_norm(x, gamma, beta, eps, zero_centered_gamma)
+    return rms_norm(x, gamma, eps, zero_centered_gamma)
+
+
+@torch.library.register_kernel("te_parallel::norm_fwd", "cpu")
+def _norm_fwd_cpu(norm, x, gamma, beta, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, transpose, out_dtype):
+    xf = x.float()
+    rows = x.shape[0]
+    mu = xf.mean(-1) if norm == "layer_norm" else x.new_empty((0,), dtype=torch.float32)
+    centred = xf - mu[:, None] if norm == "layer_norm" else xf
+    rsigma = torch.rsqrt((centred * centred).mean(-1) + eps)
+    y = _torch_norm(norm, x, gamma, beta, eps, zero_centered_gamma)
+    if fp8_dtype is None:
+        return y.to(out_dtype or x.dtype), x.new_empty((0, rows), dtype=out_dtype or x.dtype), mu, rsigma
+    q = quantize(y, scale.reshape(()), fp8_dtype, amax_out=amax_out, transpose=transpose)
+    return q.data, q.data_t if transpose else x.new_empty((0, rows), dtype=fp8_dtype), mu, rsigma
+
+
+@torch.library.register_kernel("te_parallel::norm_bwd", "cpu")
+def _norm_bwd_cpu(norm, dy, x, mu, rsigma, gamma, zero_centered_gamma, with_dbeta):
+    # the kernels' math from the saved statistics, in fp32
+    xf, dyf = x.float(), dy.float()
+    xhat = ((xf - mu[:, None]) if norm == "layer_norm" else xf) * rsigma[:, None]
+    dxhat = dyf * _gamma(gamma.float(), zero_centered_gamma)
+    inner = dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)
+    if norm == "layer_norm":
+        inner = inner - dxhat.mean(-1, keepdim=True)
+    dx = (inner * rsigma[:, None]).to(x.dtype)
+    dgamma = (dyf * xhat).sum(0).to(gamma.dtype)
+    dbeta = dyf.sum(0).to(gamma.dtype) if with_dbeta and norm == "layer_norm" else gamma.new_empty((0,))
+    return dx, dgamma, dbeta

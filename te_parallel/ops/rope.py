@@ -40,11 +40,10 @@ class _RopeFunction(torch.autograd.Function):
 
 
 def _run(t: torch.Tensor, angles: torch.Tensor, bshd: bool, backward: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # [s, b, h, d] or [b, s, h, d]
-    if bshd:
-        native_rope.rope(t.transpose(0, 1), angles, backward, out=out.transpose(0, 1))
-    else:
-        native_rope.rope(t, angles, backward, out=out)
+    if not bshd:
+        return native_rope.rope(t, angles, backward)  # [s, b, h, d], contiguous
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # [b, s, h, d], contiguous
+    native_rope.rope(t.transpose(0, 1), angles, backward, out=out.transpose(0, 1))
     return out
 
 
@@ -58,3 +57,21 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, bshd: bool) -> torch.Tensor
     if angles is not None and not freqs.requires_grad and native_rope.usable(seq_first, angles):
         return _RopeFunction.apply(t, angles, bshd)
     return rope_torch(t, freqs.transpose(0, 1) if bshd else freqs)
+
+
+@torch.library.register_kernel("te_parallel::rope", "cpu")
+def _rope_cpu(x, freqs, backward):
+    """CPU kernel of the native op (compiled graphs call it): rope_torch, and for `backward` the transpose of
+    its map (per channel pair i, j = i + rot/2: dx_i = cos f_i·g_i + sin f_j·g_j, dx_j = cos f_j·g_j − sin f_i·g_i),
+    in fp32 (or x's wider dtype) and rounded once."""
+    angles = freqs[:, None, None, :]
+    if not backward:
+        return rope_torch(x, angles).contiguous()
+    rot, math = freqs.shape[-1], torch.promote_types(x.dtype, torch.float32)
+    g = x[..., :rot].to(math)
+    cos, sin = angles.cos().to(math), angles.sin().to(math)
+    g1, g2 = g.chunk(2, dim=-1)
+    c1, c2 = cos.chunk(2, dim=-1)
+    s1, s2 = sin.chunk(2, dim=-1)
+    dx = torch.cat([c1 * g1 + s2 * g2, c2 * g2 - s1 * g1], dim=-1).to(x.dtype)
+    return torch.cat([dx, x[..., rot:]], dim=-1).contiguous()
