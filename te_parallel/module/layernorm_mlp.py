@@ -136,19 +136,24 @@ class LayerNormMLP(GemmModule):
         w2, fc2_bias, plan2 = self._gemm_plan(self._fc2, 1, x, is_first_microbatch, frame, fc2_par,
                                               in_tokens=tokens)
         b2 = None if self.return_bias else fc2_bias
-        fused = norm_to_fp8(self, x, w1, plan1) if can_fuse() else None
+        fused = norm_to_fp8(self, x, w1, plan1)
         mlp_plan = (self.activation, plan1, plan2, self.bwd_chunk_bytes)
-        if fused is not None:  # the norm writes fc1's FP8 input: no high-precision ln_out
+        if fused is not None and can_fuse():  # the norm writes fc1's FP8 input: no high-precision ln_out
             carrier, x_q = fused
             out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q)
             out, ln_out = out.view(*x.shape[:-1], out.shape[-1]), None
         elif can_fuse():  # one Function: FP8 activation casts, chunked backward
             ln_out = norm_forward(self, x)
             out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, mlp_plan)
-        else:
-            ln_out = norm_forward(self, x)
-            fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
+        else:  # (under torch.compile) fc1, the activation and fc2 as separate Functions
+            if fused is not None:  # ([tokens, hidden] carrier: 2-D outputs)
+                carrier, x_q = fused
+                fc1_out, ln_out = LinearFunction.apply(carrier, w1, b1, plan1, x_q), None
+            else:
+                ln_out = norm_forward(self, x)
+                fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
             out = LinearFunction.apply(apply_activation(self.activation, fc1_out), w2, b2, plan2)
+            out = out.view(*x.shape[:-1], out.shape[-1])
         fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)
         if self.return_bias and fc2_par.gathers_grad and self.allreduce_sp_grads:
             fc2_bias = all_reduce_grad(fc2_bias, self.tp_group)
