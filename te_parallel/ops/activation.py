@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import activation as native_act
-from te_parallel.ops.cast import quantize
+from te_parallel.ops.cast import amax_torch, quantize
 
 
 def gelu(x):  # TE's gelu is the tanh approximation
@@ -225,7 +225,7 @@ def _bias_activation_fwd_cpu(name, x, bias, high_precision, fp8_dtype, scale, am
         q = quantize(y, scale.reshape(()), fp8_dtype, amax_out=amax_out, transpose=transpose)
         data, data_t = q.data, q.data_t
     elif amax_out is not None:
-        torch.maximum(amax_out, y.detach().abs().amax().float().view_as(amax_out), out=amax_out)
+        torch.maximum(amax_out, amax_torch(y).view_as(amax_out), out=amax_out)
     return (y if high_precision else x.new_empty((0,)), _none_as_empty(data, x, torch.uint8),
             _none_as_empty(data_t, x, torch.uint8))
 
@@ -262,6 +262,6 @@ def _dbias_dactivation_bwd_cpu(name, dy, x, bias, need_dbias, high_precision, fp
         q = quantize(dx, scale.reshape(()), fp8_dtype, amax_out=amax_out, transpose=transpose)
         data, data_t = q.data, q.data_t
     elif amax_out is not None:
-        torch.maximum(amax_out, dx.abs().amax().float().view_as(amax_out), out=amax_out)
+        torch.maximum(amax_out, amax_torch(dx).view_as(amax_out), out=amax_out)
     return (dx if high_precision else x.new_empty((0,)), _none_as_empty(dbias, x, x.dtype),
             _none_as_empty(data, x, torch.uint8), _none_as_empty(data_t, x, torch.uint8))
