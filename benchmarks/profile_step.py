@@ -1,7 +1,7 @@
 """Where the time of one fwd+bwd step goes: a per-kernel table from torch.profiler, and the GEMMs alone.
 
     python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|bf16]
-    python benchmarks/profile_step.py layer  [--model gpt|llama] [--recipe delayed|current|bf16|torch] [--batch 4]
+    python benchmarks/profile_step.py layer  [--model gpt|llama] [--recipe delayed|current|bf16|torch] [--batch 4] [--seq 512]
     add --peer to linear / layer to profile NVIDIA Transformer Engine's module (installed beside)
     add --compile to linear / layer to profile te_parallel's module under torch.compile
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
@@ -50,6 +50,7 @@ def _build(kind: str, args):
         from bench_transformer import MODELS, TorchLayer, TorchLlamaLayer, layer_kwargs
         size = argparse.Namespace(**MODELS[args.model])
         size.batch = args.batch or size.batch
+        size.seq = args.seq or size.seq
         if args.recipe == "torch":
             mod = (TorchLayer(size.hidden, size.ffn, size.heads) if args.model == "gpt"
                    else TorchLlamaLayer(size.hidden, size.ffn, size.heads, size.gqa)).to("cuda", dt)
@@ -244,6 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recipe", default="delayed", choices=list(RECIPES))
     ap.add_argument("--model", choices=["gpt", "llama"], default="gpt", help="layer: bench_transformer's model")
     ap.add_argument("--batch", type=int, default=None, help="layer: micro-batch (default: the model's)")
+    ap.add_argument("--seq", type=int, default=None, help="layer: sequence length (default: the model's)")
     ap.add_argument("--peer", action="store_true", help="profile NVIDIA Transformer Engine's module instead")
     ap.add_argument("--compile", action="store_true", help="te_parallel's module under torch.compile(dynamic=False)")
     ap.add_argument("--top", type=int, default=30)
@@ -254,6 +256,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if (args.host or args.gaps or args.memory) and args.what == "gemm":
         ap.error("--host, --gaps and --memory go with linear or layer, not gemm")
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value is not None and (value < 1 or args.what != "layer"):
+            ap.error(f"{flag} {value} with {args.what}: sizes a layer step, a positive int (profile_step.py layer {flag} N)")
     if args.memory and (args.host or args.gaps):
         ap.error("--memory goes alone: not with --host or --gaps")
     if args.compile and (args.peer or args.what == "gemm" or args.recipe == "torch"):

@@ -182,16 +182,27 @@ def _native_families_in_graphs(monkeypatch, device):
     yield
 
 
-def _op_names(graphs):
-    """te_parallel's ops in the AOT graphs (an op that writes an argument sits inside auto_functionalized)."""
-    names = set()
+def _op_calls(graphs):
+    """(op name, {argument: value}) of every te_parallel op in the AOT graphs (an op that writes an argument
+    sits inside auto_functionalized, its arguments as keywords)."""
+    calls = []
     for g in graphs:
         for n in g.graph.nodes:
-            if n.op == "call_function":
-                target = n.args[0] if "auto_functionalized" in str(n.target) else n.target
-                if str(target).startswith("te_parallel."):
-                    names.add(str(target).split(".")[1])
-    return names
+            if n.op != "call_function":
+                continue
+            wrapped = "auto_functionalized" in str(n.target)
+            target = n.args[0] if wrapped else n.target
+            if not str(target).startswith("te_parallel."):
+                continue
+            args = dict(n.kwargs)
+            if not wrapped:
+                args.update(zip([a.name for a in target._schema.arguments], n.args))
+            calls.append((str(target).split(".")[1], args))
+    return calls
+
+
+def _op_names(graphs):
+    return {name for name, _ in _op_calls(graphs)}
 
 
 LLAMA = dict(num_gqa_groups=2, normalization="RMSNorm", activation="swiglu", bias=False, hidden_dropout=0.0,
@@ -242,3 +253,7 @@ def test_compiled_llama_layer_calls_the_native_ops(monkeypatch, recipe, device):
     want |= {"cast_fp8"} if te.native.torch_ops.usable() else {"cast_transpose_amax"}
     want |= {"fp8_gemm"} if device == "cuda" else set()
     assert want <= names, f"ops in the graphs: {sorted(names)}"
+    # The MLP runs as one Function (ops/mlp.py), as eagerly: the activation writes fc2's FP8 input, and under
+    # delayed scaling its backward writes fc1's FP8 output gradient.
+    fp8_out = {name for name, args in _op_calls(graphs) if args.get("fp8_dtype") is not None}
+    assert ({"bias_activation_fwd", "dbias_dactivation_bwd"} if recipe == "delayed" else {"bias_activation_fwd"}) <= fp8_out

@@ -138,14 +138,15 @@ class LayerNormMLP(GemmModule):
         b2 = None if self.return_bias else fc2_bias
         fused = norm_to_fp8(self, x, w1, plan1)
         mlp_plan = (self.activation, plan1, plan2, self.bwd_chunk_bytes)
-        if fused is not None and can_fuse():  # the norm writes fc1's FP8 input: no high-precision ln_out
+        fuse = can_fuse(self.activation, x)
+        if fused is not None and fuse:  # the norm writes fc1's FP8 input: no high-precision ln_out
             carrier, x_q = fused
             out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q)
             out, ln_out = out.view(*x.shape[:-1], out.shape[-1]), None
-        elif can_fuse():  # one Function: FP8 activation casts, chunked backward
+        elif fuse:  # one Function: FP8 activation casts, chunked backward
             ln_out = norm_forward(self, x)
             out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, mlp_plan)
-        else:  # (under torch.compile) fc1, the activation and fc2 as separate Functions
+        else:  # (under torch.compile without the activation kernels) fc1, the activation and fc2 apart
             if fused is not None:  # ([tokens, hidden] carrier: 2-D outputs)
                 carrier, x_q = fused
                 fc1_out, ln_out = LinearFunction.apply(carrier, w1, b1, plan1, x_q), None

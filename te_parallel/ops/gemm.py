@@ -160,7 +160,9 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate=None
         out = out + bias.to(torch.float32)
     if accumulate is not None:
         out = out + accumulate.to(torch.float32)
-    return out.to(out_dtype)
+    # (an fp32 result as it is: dynamo traces a same-dtype .to() as an alias of `out`, and an autograd
+    # Function may not keep such an alias of its own intermediate for backward)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,

@@ -55,10 +55,12 @@ from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linea
 DEFAULT_BWD_CHUNK_BYTES = 64 << 20
 
 
-def can_fuse() -> bool:
-    """True when LayerNormMLP runs as FusedMLPFunction (everywhere but under torch.compile, which
-    traces the separate Functions)."""
-    return not torch.compiler.is_compiling()
+def can_fuse(name: str, x: torch.Tensor) -> bool:
+    """True when LayerNormMLP runs as FusedMLPFunction on input x: always in eager mode; under
+    torch.compile when the activation kernels take x's kind (their op is what the traced backward
+    calls; the PyTorch fallback differentiates through torch.autograd.grad, which a traced backward
+    cannot hold). Otherwise fc1, the activation and fc2 run as separate Functions."""
+    return not torch.compiler.is_compiling() or native_act.usable(name, x)
 
 
 def fp8_activation(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8]) -> bool:
@@ -68,14 +70,16 @@ def fp8_activation(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8]) -> bool:
             and fc2.delayed)
 
 
-def _chunk_rows(h: torch.Tensor, s2, chunk_bytes: int) -> Optional[int]:
+def _chunk_rows(h: torch.Tensor, s2, fc2_in: int, chunk_bytes: int) -> Optional[int]:
     """Rows per chunk of fc2's dgrad output, or None for one piece: the fewest chunks of at most about
     chunk_bytes, of equal rows rounded up to a multiple of 128 (the GEMM's tile; 16, the FP8 GEMM's
     multiple, for chunks under 128 rows), so that no chunk is a sliver of a GEMM."""
     rows = h.shape[0]
-    if s2.par.overlap_dgrad or rows % 16:
+    # (Not in a torch.compile graph: functionalized, the chunks' writes into the FP8 gradient become a
+    # concatenation of FP8 rows, which inductor cannot generate.)
+    if s2.par.overlap_dgrad or rows % 16 or torch.compiler.is_compiling():
         return None
-    per_row = s2.w_saved.shape[1] * h.element_size()  # fc2's input features, in the activation dtype
+    per_row = fc2_in * h.element_size()  # fc2's input features, in the activation dtype
     most = chunk_bytes // per_row
     if most < 16 or most >= rows:
         return None
@@ -131,7 +135,7 @@ class FusedMLPFunction(torch.autograd.Function):
             y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
         else:
             y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype)
-        ctx.s1, ctx.s2, ctx.name, ctx.fp8_1, ctx.x_shape = s1, s2, name, fp8_1, x.shape
+        ctx.s1, ctx.s2, ctx.name, ctx.fp8_1, ctx.x_shape, ctx.fc2_in = s1, s2, name, fp8_1, x.shape, w2.shape[1]
         ctx.h = h if grad else None
         return y.reshape(-1, *x.shape[1:-1], w2.shape[0])
 
@@ -146,7 +150,7 @@ class FusedMLPFunction(torch.autograd.Function):
         need_fc1 = need_x or need_w1 or need_b1
         need_dw2, need_db2, need_db1 = need_w2 or bool(s2.targets), s2.has_bias and need_b2, s1.has_bias and need_b1
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(s2.act_dtype)
-        chunk = _chunk_rows(h, s2, ctx.chunk_bytes) if need_fc1 else None
+        chunk = _chunk_rows(h, s2, ctx.fc2_in, ctx.chunk_bytes) if need_fc1 else None
         g = db1 = None  # the activation's gradient (FP8, or high precision); fc1's dbias
         if chunk is None:
             da, dw2, db2 = linear_bwd(s2, dy, need_fc1, need_dw2, need_db2)
