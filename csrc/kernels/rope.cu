@@ -1,7 +1,10 @@
-// Rotary position embedding in one pass (csrc/include/te_parallel/rope.h). One block per (s, b): the
-// block's sin/cos of the rot angles of position s go to shared memory once (sincosf, full precision),
-// then its threads walk the H x half channel pairs, each thread reading x[j] and x[j + half] and
-// writing both outputs, in fp32, rounded once. Pass-through channels (rot <= j < D) are copied.
+// Rotary position embedding in one pass (csrc/include/te_parallel/rope.h). A block per position s and run
+// of batch rows: the block's sin/cos of the rot angles of position s go to shared memory once (sincosf,
+// full precision), then its threads walk the rows x H x half channel pairs, each thread reading x[j] and
+// x[j + half] and writing both outputs, in fp32, rounded once. Pass-through channels (rot <= j < D) are
+// copied. A block takes as many batch rows as give it about kPairsPerBlock pairs, so that few heads per
+// row (a KV group's query heads, one key head) still fill its threads and the angles are not recomputed
+// for every row.
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -14,11 +17,21 @@
 namespace {
 
 constexpr int kThreads = 256;
+constexpr long long kPairsPerBlock = 2048;
+
+// Batch rows per block (see the file comment).
+long long rows_per_block(const tep_rope_params& p) {
+  const long long per_row = p.h * (p.rot / 2);  // (rot >= 2: tep_rope checks)
+  const long long rows = (kPairsPerBlock + per_row - 1) / per_row;
+  return rows > p.b ? p.b : rows;
+}
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) rope_kernel(const tep_rope_params p) {
+__global__ void __launch_bounds__(kThreads) rope_kernel(const tep_rope_params p, long long rows_per_blk) {
   extern __shared__ float trig[];  // [rot] cos, then [rot] sin
-  const long long s = blockIdx.x / p.b, b = blockIdx.x % p.b;
+  const long long blocks_per_s = (p.b + rows_per_blk - 1) / rows_per_blk;
+  const long long s = blockIdx.x / blocks_per_s, b0 = (blockIdx.x % blocks_per_s) * rows_per_blk;
+  const long long rows = (p.b - b0 < rows_per_blk) ? p.b - b0 : rows_per_blk;
   const int rot = p.rot, half = rot / 2;
   for (int j = threadIdx.x; j < rot; j += kThreads) {
     float sn, cs;
@@ -27,16 +40,17 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const tep_rope_params p)
     trig[rot + j] = sn;
   }
   __syncthreads();
-  const T* x = static_cast<const T*>(p.x) + s * p.x_stride_s + b * p.x_stride_b;
-  T* out = static_cast<T*>(p.out) + s * p.out_stride_s + b * p.out_stride_b;
+  const T* x = static_cast<const T*>(p.x) + s * p.x_stride_s + b0 * p.x_stride_b;
+  T* out = static_cast<T*>(p.out) + s * p.out_stride_s + b0 * p.out_stride_b;
   const float* cs = trig;
   const float* sn = trig + rot;
-  const long long pairs = p.h * half;
-  for (long long i = threadIdx.x; i < pairs; i += kThreads) {
-    const long long head = i / half;
-    const int j = static_cast<int>(i % half);
-    const T* xh = x + head * p.x_stride_h;
-    T* oh = out + head * p.out_stride_h;
+  const long long per_row = p.h * half;
+  for (long long i = threadIdx.x; i < rows * per_row; i += kThreads) {
+    const long long row = i / per_row, k = i % per_row;
+    const long long head = k / half;
+    const int j = static_cast<int>(k % half);
+    const T* xh = x + row * p.x_stride_b + head * p.x_stride_h;
+    T* oh = out + row * p.out_stride_b + head * p.out_stride_h;
     const float x1 = tep::to_float(xh[j]), x2 = tep::to_float(xh[j + half]);
     float o1, o2;
     if (p.backward) {
@@ -49,17 +63,20 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const tep_rope_params p)
     oh[j] = tep::from_float<T>(o1);
     oh[j + half] = tep::from_float<T>(o2);
   }
-  const long long rest = p.d - rot;  // pass-through channels
-  for (long long i = threadIdx.x; rest > 0 && i < p.h * rest; i += kThreads) {
-    const long long head = i / rest, j = rot + i % rest;
-    out[head * p.out_stride_h + j] = x[head * p.x_stride_h + j];
+  const long long rest = p.d - rot, rest_per_row = p.h * rest;  // pass-through channels
+  for (long long i = threadIdx.x; rest > 0 && i < rows * rest_per_row; i += kThreads) {
+    const long long row = i / rest_per_row, k = i % rest_per_row;
+    const long long head = k / rest, j = rot + k % rest;
+    out[row * p.out_stride_b + head * p.out_stride_h + j] = x[row * p.x_stride_b + head * p.x_stride_h + j];
   }
 }
 
 template <typename T>
 tep_status launch(const tep_rope_params& p, cudaStream_t stream) {
   const size_t smem = 2 * sizeof(float) * static_cast<size_t>(p.rot);
-  rope_kernel<T><<<static_cast<unsigned>(p.s * p.b), kThreads, smem, stream>>>(p);
+  const long long rows = rows_per_block(p);
+  const long long blocks = p.s * ((p.b + rows - 1) / rows);
+  rope_kernel<T><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, rows);
   const cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) return TEP_SUCCESS;
   tep::set_error("tep_rope: launch failed: %s: %s", cudaGetErrorName(err), cudaGetErrorString(err));

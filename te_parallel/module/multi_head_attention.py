@@ -12,6 +12,7 @@ from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm_linear import LayerNormLinear
 from te_parallel.module.linear import Linear
 from te_parallel.module.rope import apply_rotary_pos_emb
+from te_parallel.ops.rope import qkv_rope_split
 from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
 from te_parallel.parallel.groups import as_group
 
@@ -170,7 +171,16 @@ class MultiheadAttention(nn.Module):
         ln_out = None
         if self.input_layernorm and self.return_layernorm_output:
             out, ln_out = out
-        if self.attention_type == "self":
+        qkv = None
+        if self.attention_type == "self" and rotary_pos_emb is not None and self.interleaved and self.qkv_format == "sbhd":
+            # q and k rotated where they lie in `out`, their gradients written back there (no regrouping copy,
+            # no concatenation of the three gradients)
+            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+            h, g = self.core_attention.num_heads, self.core_attention.num_gqa_groups
+            qkv = qkv_rope_split(out, g, h // g, self.head_dim, q_emb, k_emb)
+        if qkv is not None:
+            (q, k, v), rotary_pos_emb = qkv, None
+        elif self.attention_type == "self":
             q, k, v = self._split_qkv(out)
         else:
             if encoder_output is None:

@@ -59,6 +59,69 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, bshd: bool) -> torch.Tensor
     return rope_torch(t, freqs.transpose(0, 1) if bshd else freqs)
 
 
+class _QKVRopeFunction(torch.autograd.Function):
+    """Self-attention's q, k, v out of the fused projection's output in the interleaved layout, q and k
+    rotated: mixed [s, b, g·(n + 2)·d] (per KV group: n query heads, the key, the value) -> q [s, b, g·n, d]
+    and k [s, b, g, d] (new, contiguous), v [s, b, g, d] (a view of mixed).
+
+    The kernel reads q and k where they lie in mixed (for the query heads of a group, a strided [s, b·g, n,
+    d] view) and, in backward, writes their gradients straight into those slots of mixed's gradient. The
+    split's own path copies q into the [s, b, h, d] layout first and joins the three gradients in one
+    concatenation afterwards."""
+
+    @staticmethod
+    def forward(ctx, mixed, q_angles, k_angles, groups: int, per_group: int, head_dim: int):
+        s, b = mixed.shape[0], mixed.shape[1]
+        g, n, d = groups, per_group, head_dim
+        slots = mixed.view(s, b * g, n + 2, d)
+        q = native_rope.rope(slots[:, :, :n], q_angles, False).view(s, b, g * n, d)
+        k = native_rope.rope(slots[:, :, n:n + 1], k_angles, False).view(s, b, g, d)
+        ctx.angles, ctx.dims, ctx.like = (q_angles, k_angles), (s, b, g, n, d), (mixed.dtype, mixed.device)
+        return q, k, slots[:, :, n + 1].view(s, b, g, d)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        s, b, g, n, d = ctx.dims
+        (q_angles, k_angles), rows = ctx.angles, b * g
+        dtype, device = ctx.like
+        dmixed = torch.empty((s, b, g * (n + 2) * d), dtype=dtype, device=device)
+        slots = dmixed.view(s, rows, n + 2, d)
+        native_rope.rope(_rows_of_groups(dq, s, rows, n, d), q_angles, True, out=slots[:, :, :n])
+        native_rope.rope(_rows_of_groups(dk, s, rows, 1, d), k_angles, True, out=slots[:, :, n:n + 1])
+        slots[:, :, n + 1].copy_(dv.reshape(s, rows, d))
+        return dmixed, None, None, None, None, None
+
+
+def _rows_of_groups(t: torch.Tensor, s: int, rows: int, heads: int, d: int) -> torch.Tensor:
+    """t [s, b, g·heads, d] as [s, b·g, heads, d] (a view where its strides allow, else a contiguous copy)."""
+    if t.stride(-1) == 1:
+        try:
+            return t.view(s, rows, heads, d)
+        except RuntimeError:
+            pass
+    return t.contiguous().view(s, rows, heads, d)
+
+
+def qkv_rope_split(mixed: torch.Tensor, groups: int, per_group: int, head_dim: int, q_freqs: torch.Tensor,
+                   k_freqs: torch.Tensor):
+    """(q, k, v) of _QKVRopeFunction where it applies: eager mode (a compiled graph fuses the split's copies
+    itself), a contiguous CUDA mixed [s, b, g·(n + 2)·d] in sbhd order, and angles [s', 1, 1, rot] (s' ≥ s,
+    no gradient) that the kernel takes; None otherwise (the caller splits, then rotates)."""
+    if torch.compiler.is_compiling() or mixed.dim() != 3 or not mixed.is_contiguous():
+        return None
+    s = mixed.shape[0]
+    angles = []
+    for f in (q_freqs, k_freqs):
+        if f.dim() != 4 or f.shape[1:3] != (1, 1) or f.shape[0] < s or f.requires_grad:
+            return None
+        angles.append(f[:s].reshape(s, f.shape[-1]))
+    if not (mixed.shape[2] == groups * (per_group + 2) * head_dim and mixed.is_cuda
+            and native_rope.usable(mixed.view(s, -1, per_group + 2, head_dim), angles[0])
+            and native_rope.usable(mixed.view(s, -1, per_group + 2, head_dim), angles[1])):
+        return None
+    return _QKVRopeFunction.apply(mixed, angles[0], angles[1], groups, per_group, head_dim)
+
+
 @torch.library.register_kernel("te_parallel::rope", "cpu")
 def _rope_cpu(x, freqs, backward):
     """CPU kernel of the native op (compiled graphs call it): rope_torch, and for `backward` the transpose of

@@ -86,3 +86,74 @@ def test_backward_takes_a_gradient_with_strided_last_dim():
     td = t.detach().double().requires_grad_()
     apply_rope(td, f.double(), bshd=False).backward(g.double())  # (fp64 angles: the torch path)
     assert ((t.grad.double() - td.grad).abs().max() / td.grad.abs().max()).item() < 1.6e-2
+
+
+def _split_then_rope(mixed, g, n, d, fq, fk):
+    """The split's own path: q regrouped to [s, b, g·n, d], then each rotated."""
+    s, b = mixed.shape[:2]
+    grouped = mixed.view(s, b, g, n + 2, d)
+    q, k, v = grouped.split([n, 1, 1], dim=-2)
+    q = q.reshape(s, b, g * n, d)
+    return apply_rope(q, fq[:s], bshd=False), apply_rope(k.squeeze(-2), fk[:s], bshd=False), v.squeeze(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("groups, per_group", [(2, 3), (4, 1), (1, 4)], ids=["gqa", "mha", "mqa"])
+def test_qkv_rope_split_is_the_split_then_rope(dtype, groups, per_group):
+    """q, k, v out of an interleaved fused QKV output with q and k rotated in place of the split: the same
+    outputs and the same gradient of the fused output, bit for bit, for fresh random gradients (one of them
+    transposed in memory, as a permuted consumer gives) and with v unused."""
+    from te_parallel.ops.rope import qkv_rope_split
+
+    torch.manual_seed(0)
+    s, b, d = 96, 3, 64
+    g, n = groups, per_group
+    fq = te.RotaryPositionEmbedding(d).cuda()(s + 5)
+    fk = te.RotaryPositionEmbedding(d, rotary_percent=0.5).cuda()(s)
+    mixed = torch.randn(s, b, g * (n + 2) * d, device="cuda", dtype=dtype)
+    a = mixed.clone().requires_grad_()
+    got = qkv_rope_split(a, g, n, d, fq, fk)
+    assert got is not None
+    ref_in = mixed.clone().requires_grad_()
+    want = _split_then_rope(ref_in, g, n, d, fq, fk)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and torch.equal(x, y)
+    dq = torch.randn(b, g * n, s, d, device="cuda", dtype=dtype).permute(2, 0, 1, 3)  # [s, b, h, d], strided
+    dk = torch.randn(s, b, g, d, device="cuda", dtype=dtype)
+    for use_v in (True, False):
+        a.grad = ref_in.grad = None
+        used = 3 if use_v else 2
+        grads = [dq, dk, torch.randn(s, b, g, d, device="cuda", dtype=dtype)][:used]
+        torch.autograd.backward(list(got[:used]), grads, retain_graph=True)
+        torch.autograd.backward(list(want[:used]), grads, retain_graph=True)
+        assert torch.equal(a.grad, ref_in.grad)
+        if not use_v:
+            assert not a.grad.view(s, b, g, n + 2, d)[..., n + 1, :].any()
+
+
+def test_llama_layer_takes_the_fused_split(monkeypatch):
+    """A Llama-style TransformerLayer (GQA, RoPE, interleaved fused QKV) runs the split with RoPE in one
+    Function: its output and every gradient equal the split-then-rotate path's, bit for bit."""
+    from te_parallel.module import multi_head_attention as mha
+
+    torch.manual_seed(0)
+    kw = dict(num_gqa_groups=2, normalization="RMSNorm", activation="swiglu", bias=False, hidden_dropout=0.0,
+              attention_dropout=0.0, fuse_qkv_params=True, device="cuda", params_dtype=torch.bfloat16)
+    layers = [te.TransformerLayer(256, 512, 4, **kw) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    rope = te.RotaryPositionEmbedding(64).cuda()(64)
+    real = mha.qkv_rope_split
+    results = []
+    for layer, fused in zip(layers, (True, False)):
+        calls = []
+        monkeypatch.setattr(mha, "qkv_rope_split", lambda *a: calls.append(1) or (real(*a) if fused else None))
+        x.grad = None
+        with te.fp8_autocast(fp8_recipe=te.recipe.DelayedScaling()):
+            y = layer(x, rotary_pos_emb=rope)
+        y.backward(dy)
+        results.append([y.detach(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+        assert calls == [1]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
