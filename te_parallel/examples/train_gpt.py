@@ -230,7 +230,7 @@ def worker(args) -> None:
     try:
         train(args, world)
     finally:
-        destroy()
+        destroy(world)
 
 
 def main(argv=None) -> None:

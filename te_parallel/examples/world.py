@@ -7,6 +7,7 @@ and the ranks r, r+tp, r+2tp, ... a data-parallel group.
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -107,9 +108,23 @@ def init_world(tp: int, device: str) -> World:
     return make_world(tp, dev)
 
 
-def destroy() -> None:
+def destroy(world: Optional[World] = None) -> None:
+    """Ends torch.distributed; with `world`, also frees its process groups while Python still runs.
+
+    destroy_process_group() only unregisters the groups: each lives on while something holds it, and
+    a gloo group's worker threads with it. The mesh holds its groups (DeviceMesh._pg_registry) and
+    DTensor's sharding caches hold the mesh (FSDP2), so those threads would outlive the interpreter.
+    A worker thread that drops the last C++ reference to a collective's tensor takes the GIL to release
+    the tensor's Python object; if the interpreter is finalizing by then, Python ends that thread inside
+    a noexcept destructor: std::terminate, SIGABRT at exit, after the run has finished. Freed here, the
+    groups' destructors join their worker threads, each once it has released what it holds."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    if world is not None:
+        gc.collect()  # the trainer's reference cycles (FSDP2's states, DDP's reducer) let go of the groups first
+        # the mesh's references go last: their Python wrappers release the GIL while a group is
+        # destroyed, so that its worker threads can finish with it
+        getattr(world.mesh, "_pg_registry", {}).clear()
 
 
 def _free_port() -> int:

@@ -1,7 +1,9 @@
 """The main job on CPU (gloo): FP8 training lowers the loss and a resumed run is exact (FSDP2 over dp2,
-and TP=2 + SP), the data-parallel engines give the hand-averaged reference's losses, and at dp2 x tp2
-under FSDP2 a checkpoint round-trips every rank's model, optimizer and random state bit for bit."""
+and TP=2 + SP), the data-parallel engines give the hand-averaged reference's losses, a worker leaves no
+thread of its process groups running into interpreter shutdown, and at dp2 x tp2 under FSDP2 a
+checkpoint round-trips every rank's model, optimizer and random state bit for bit."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +11,9 @@ import torch
 from te_parallel.examples.cli import build_parser
 from te_parallel.examples.data import VOCAB, ByteData
 from te_parallel.examples.gpt import GPT, GPTConfig
-from te_parallel.examples.train_gpt import Trainer, lr_at, main, make_optimizer
+from te_parallel.examples.layout import Launch
+from te_parallel.examples.train_gpt import Trainer, lr_at, main, make_optimizer, prepare, worker
+from te_parallel.examples.world import run_world
 from tests.distributed.harness import Checks, spawn
 
 MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--micro-batch", "8",
@@ -126,6 +130,39 @@ def test_dp_engines_match_the_hand_averaged_reference(tmp_path):
         assert len(got) == DP_STEPS
         diff = max(abs(a - b) for a, b in zip(got, ref))
         assert diff <= DP_TOLERANCE, (engine, diff, got, ref)
+
+
+# --- a worker leaves no backend threads behind ------------------------------------------------------
+
+def _backend_threads() -> list:
+    """This process's threads of torch.distributed's backends: gloo's workers and loops, the TCPStore's."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that has ended since the listing
+            pass
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
+
+
+def _worker_then_threads(args):
+    worker(args)
+    left = _backend_threads()
+    assert not left, f"threads left running into interpreter shutdown: {left}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through Linux's /proc")
+def test_worker_ends_its_process_groups(tmp_path):
+    """FSDP2 (DTensor's caches hold the mesh, the mesh its groups) and a checkpoint: when the worker
+    returns, its groups are destroyed and their threads joined, so none of them is still releasing a
+    collective's tensors (which takes the GIL) while the interpreter finalizes: a thread that asks for
+    the GIL then is ended inside a noexcept destructor, and the process aborts after a finished run."""
+    args = build_parser("").parse_args(
+        MODEL + ["--nproc", "2", "--tp", "1", "--steps", "2", "--warmup", "1", "--eval-every", "2", "--eval-batches",
+                 "1", "--no-plot", "--fp8", "off", "--out", str(tmp_path / "out"), "--save", str(tmp_path / "ckpt")])
+    prepare(args, Launch.from_env())
+    run_world(_worker_then_threads, args, args.nproc, args.device)
+    assert (tmp_path / "ckpt" / "config.json").exists()
 
 
 # --- a checkpoint round-trips every rank's state ----------------------------------------------------
