@@ -171,15 +171,17 @@ class MultiheadAttention(nn.Module):
         ln_out = None
         if self.input_layernorm and self.return_layernorm_output:
             out, ln_out = out
+        rope = None  # (q angles, k angles)
+        if rotary_pos_emb is not None:
+            rope = tuple(rotary_pos_emb) if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb,) * 2
         qkv = None
-        if self.attention_type == "self" and rotary_pos_emb is not None and self.interleaved and self.qkv_format == "sbhd":
+        if self.attention_type == "self" and rope is not None and self.interleaved and self.qkv_format == "sbhd":
             # q and k rotated where they lie in `out`, their gradients written back there (no regrouping copy,
             # no concatenation of the three gradients)
-            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
             h, g = self.core_attention.num_heads, self.core_attention.num_gqa_groups
-            qkv = qkv_rope_split(out, g, h // g, self.head_dim, q_emb, k_emb)
+            qkv = qkv_rope_split(out, g, h // g, self.head_dim, *rope)
         if qkv is not None:
-            (q, k, v), rotary_pos_emb = qkv, None
+            (q, k, v), rope = qkv, None
         elif self.attention_type == "self":
             q, k, v = self._split_qkv(out)
         else:
@@ -187,8 +189,8 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
             q = self._heads(out, self.core_attention.num_heads)
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
-        if rotary_pos_emb is not None:
-            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+        if rope is not None:
+            q_emb, k_emb = rope
             if self.qkv_format == "thd":  # positions within each packed sequence
                 starts_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
                 starts_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded

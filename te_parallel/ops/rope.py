@@ -47,14 +47,22 @@ def _run(t: torch.Tensor, angles: torch.Tensor, bshd: bool, backward: bool) -> t
     return out
 
 
+def _kernel_angles(freqs: torch.Tensor, s: int):
+    """The angles [s, rot] of positions 0..s-1 that the kernel reads, from freqs [s' >= s, 1, 1, rot] without
+    a gradient (the kernel gives none); None for any other freqs."""
+    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[0] < s or freqs.requires_grad:
+        return None
+    return freqs[:s].reshape(s, freqs.shape[-1])
+
+
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, bshd: bool) -> torch.Tensor:
     """t [s, b, h, d] (or [b, s, h, d] when bshd) rotated by freqs [s, 1, 1, rot] (positions beyond s
     already cut off): the fused kernel where it takes the input (and the angles need no gradient),
     else rope_torch."""
     s = t.shape[1] if bshd else t.shape[0]
-    angles = freqs.reshape(s, freqs.shape[-1]) if freqs.dim() == 4 and freqs.shape[1:3] == (1, 1) else None
+    angles = _kernel_angles(freqs, s)
     seq_first = t.transpose(0, 1) if bshd else t
-    if angles is not None and not freqs.requires_grad and native_rope.usable(seq_first, angles):
+    if angles is not None and native_rope.usable(seq_first, angles):
         return _RopeFunction.apply(t, angles, bshd)
     return rope_torch(t, freqs.transpose(0, 1) if bshd else freqs)
 
@@ -110,14 +118,11 @@ def qkv_rope_split(mixed: torch.Tensor, groups: int, per_group: int, head_dim: i
     if torch.compiler.is_compiling() or mixed.dim() != 3 or not mixed.is_contiguous():
         return None
     s = mixed.shape[0]
-    angles = []
-    for f in (q_freqs, k_freqs):
-        if f.dim() != 4 or f.shape[1:3] != (1, 1) or f.shape[0] < s or f.requires_grad:
-            return None
-        angles.append(f[:s].reshape(s, f.shape[-1]))
-    if not (mixed.shape[2] == groups * (per_group + 2) * head_dim and mixed.is_cuda
-            and native_rope.usable(mixed.view(s, -1, per_group + 2, head_dim), angles[0])
-            and native_rope.usable(mixed.view(s, -1, per_group + 2, head_dim), angles[1])):
+    angles = [_kernel_angles(f, s) for f in (q_freqs, k_freqs)]
+    if any(a is None for a in angles) or mixed.shape[2] != groups * (per_group + 2) * head_dim or not mixed.is_cuda:
+        return None
+    slots = mixed.view(s, -1, per_group + 2, head_dim)
+    if not all(native_rope.usable(slots, a) for a in angles):
         return None
     return _QKVRopeFunction.apply(mixed, angles[0], angles[1], groups, per_group, head_dim)
 
