@@ -37,7 +37,8 @@ besides its gradients (the FP8 weight copies kept for the next forward).
 `--ablate` adds FP8 rows with one choice changed each (same run): the MLP activation's own FP8 casts
 switched off (te_parallel/ops/mlp.py), the forward GEMMs with the exact sum (the recipe's
 fp8_gemm_fprop=MMParams(use_split_accumulator=True); the default, as TE, is fast accumulation), the fused MLP backward in one
-piece instead of row chunks (LayerNormMLP's bwd_chunk_bytes), the FP8 weights
+piece instead of row chunks (LayerNormMLP's bwd_chunk_bytes), attention on SDPA's cuDNN kernels
+(backend="cudnn") instead of the cuDNN frontend's graphs, the FP8 weights
 kept from forward to backward and for the next forward (is_first_microbatch=True, TE's micro-batch
 flag). The row with every FP8 GEMM through the non-default GEMM (torch._scaled_mm) is always there.
 """
@@ -278,13 +279,16 @@ def _helpers_of(step, run):
 @contextlib.contextmanager
 def switched_off(what: str, layer):
     """One optimisation off for an ablation row: "fused activation" (the MLP activation in high
-    precision, each GEMM casting its input: ops/mlp.fp8_activation answers False), or "mlp chunks"
-    (the layer's MLP backward in one piece: its bwd_chunk_bytes made unbounded). The other ablations
+    precision, each GEMM casting its input: ops/mlp.fp8_activation answers False), "mlp chunks"
+    (the layer's MLP backward in one piece: its bwd_chunk_bytes made unbounded) or "sdpa attention"
+    (attention on SDPA's cuDNN kernels instead of the cuDNN frontend's graphs). The other ablations
     are recipes (exact fprop accumulation, the torch._scaled_mm GEMM)."""
     from te_parallel.ops import mlp
 
     if what == "fused activation":
         owner, name, value = mlp, "fp8_activation", lambda *args: False
+    elif what == "sdpa attention":
+        owner, name, value = layer.self_attention.core_attention, "backend", "cudnn"
     else:
         owner, name, value = layer.layernorm_mlp, "bwd_chunk_bytes", 1 << 62
     saved = getattr(owner, name)
@@ -309,7 +313,8 @@ def eager_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, peer_fwd: d
                                                                                       **peer_fwd)
     if not a.ablate:
         return steps
-    labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece"}
+    labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece",
+              "sdpa attention": "attention on SDPA's cuDNN"}
     for what, label in labels.items():
         steps[f"te FP8 delayed, {label}"] = under(what, layer, training_step(layer, x, dy, fp8, **fwd))
     exact = dataclasses.replace(fp8, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True))

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
 from common import Parser, report, te_training_step, time_cuda, training_step, transformer_engine  # noqa: E402
 from te_parallel import recipe  # noqa: E402
+from te_parallel.ops.attention import BACKENDS  # noqa: E402
 
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "bf16": None, "torch": None}
 
@@ -55,7 +56,10 @@ def _build(kind: str, args):
             mod = (TorchLayer(size.hidden, size.ffn, size.heads) if args.model == "gpt"
                    else TorchLlamaLayer(size.hidden, size.ffn, size.heads, size.gqa)).to("cuda", dt)
         else:
-            mod = lib.TransformerLayer(size.hidden, size.ffn, size.heads, **layer_kwargs(args.model, size))
+            kw = layer_kwargs(args.model, size)
+            if peer is None and args.attention_backend:
+                kw["attention_backend"] = args.attention_backend
+            mod = lib.TransformerLayer(size.hidden, size.ffn, size.heads, **kw)
         x = torch.randn(size.seq, size.batch, size.hidden, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn_like(x)
         if args.model == "llama":
@@ -248,6 +252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=None, help="layer: sequence length (default: the model's)")
     ap.add_argument("--peer", action="store_true", help="profile NVIDIA Transformer Engine's module instead")
     ap.add_argument("--compile", action="store_true", help="te_parallel's module under torch.compile(dynamic=False)")
+    ap.add_argument("--attention-backend", default=None, choices=list(BACKENDS),
+                    help="layer: te_parallel's attention backend (default auto)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead of the kernels")
     ap.add_argument("--gaps", action="store_true", help="also list the idle gaps between kernels and their cause")

@@ -6,8 +6,9 @@ import math
 import torch
 
 
-def ref_attention(q, k, v, masked=None, scale=None):
-    """q [s, b, h, d], k/v [s_kv, b, g, d] (fp64); masked: bool [b|1, h|1, s, s_kv], True = masked out."""
+def ref_attention(q, k, v, masked=None, scale=None, keep=None, dropout=0.0):
+    """q [s, b, h, d], k/v [s_kv, b, g, d] (fp64); masked: bool [b|1, h|1, s, s_kv], True = masked out;
+    keep: the dropout mask (0/1 [b, h, s, s_kv]) applied to the probabilities, scaled by 1 / (1 - dropout)."""
     h, g = q.shape[2], k.shape[2]
     k = k.repeat_interleave(h // g, dim=2)
     v = v.repeat_interleave(h // g, dim=2)
@@ -16,6 +17,8 @@ def ref_attention(q, k, v, masked=None, scale=None):
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if keep is not None:
+        probs = probs * keep.to(probs) / (1 - dropout)
     out = torch.einsum("bhst,tbhd->sbhd", probs, v)
     return out.reshape(out.shape[0], out.shape[1], -1)
 

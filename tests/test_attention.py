@@ -187,18 +187,23 @@ def test_bad_masks_and_shapes(device):
 # -- the "auto" rule, on described inputs (no GPU needed) --------------------------------------------
 
 def _case(dtype=torch.bfloat16, cap=(9, 0), d=128, ragged=False, arbitrary=False, band=None, same=True,
-          dropout=False, fe=True, device="cuda"):
+          dropout=False, fe=True, device="cuda", compiling=False):
     band = band or make_band("causal", None)
-    return Case(device, cap, dtype, d, ragged, arbitrary, band, same, dropout, fe)
+    return Case(device, cap, dtype, d, ragged, arbitrary, band, same, dropout, fe, compiling)
 
 
 @pytest.mark.parametrize("case, want", [
-    (_case(), "cudnn"),                                            # Llama GQA causal on H100: cuDNN, GQA native
+    (_case(), "cudnn_fe"),                                         # Llama GQA causal on H100: cuDNN through the frontend
+    (_case(dropout=True), "cudnn_fe"),                             # GPT: causal with attention dropout
+    (_case(fe=False), "cudnn"),                                    # ... without the frontend: SDPA's cuDNN, GQA native
+    (_case(compiling=True), "cudnn"),                              # ... and inside torch.compile
     (_case(cap=(8, 0)), "flash"),                                  # A100: SDPA flash
-    (_case(d=256), "flash"),                                       # cuDNN SDPA head_dim <= 128
+    (_case(d=256), "flash"),                                       # cuDNN head_dim <= 128
     (_case(ragged=True), "cudnn_fe"),                              # thd / padding with the cuDNN frontend
     (_case(ragged=True, fe=False), "flash_varlen"),                # ... without it
-    (_case(ragged=True, dropout=True), "flash_varlen"),            # cuDNN graphs here carry no dropout
+    (_case(ragged=True, dropout=True), "cudnn_fe"),                # dropout: cuDNN's Philox
+    (_case(ragged=True, dropout=True, same=False, band=make_band("padding_causal_bottom_right", None)),
+     "flash_varlen"),                                              # cuDNN: no dropout with bottom-right, s_q != s_kv
     (_case(ragged=True, cap=(8, 0)), "flash_varlen"),
     (_case(band=make_band("causal", (128, 0))), "cudnn_fe"),       # sliding window, dense input
     (_case(band=make_band("causal", (128, 0)), fe=False), "flash_varlen"),
@@ -217,11 +222,14 @@ def test_auto_rule(case, want):
 def test_unsupported_reasons_and_fallbacks():
     assert unsupported_reason("cudnn", _case(ragged=True)).startswith("a dense input")
     assert unsupported_reason("cudnn_fe", _case(fe=False)).startswith("the cuDNN frontend")
-    assert unsupported_reason("cudnn_fe", _case(ragged=True, dropout=True)) == "no attention dropout"
+    assert unsupported_reason("cudnn_fe", _case(ragged=True, dropout=True)) is None
+    assert unsupported_reason("cudnn_fe", _case(ragged=True, dropout=True, same=False, band=make_band(
+        "causal_bottom_right", None))) == "no attention dropout with a bottom-right diagonal where s_q != s_kv"
     assert unsupported_reason("flash_varlen", _case(dtype=torch.float32)) == "float16 or bfloat16"
     assert unsupported_reason("flash", _case(device="cpu")) == "a CUDA tensor"
     assert unsupported_reason("math", _case(arbitrary=True)) is None
     assert fallback_of("cudnn", _case()) == "flash"
+    assert fallback_of("cudnn_fe", _case()) == "cudnn"                     # dense: SDPA's cuDNN
     assert fallback_of("cudnn_fe", _case(ragged=True)) == "flash_varlen"
     assert fallback_of("cudnn_fe", _case(band=make_band("causal", None), same=False)) == "efficient"
     assert fallback_of("flash_varlen", _case(ragged=True)) == "efficient"

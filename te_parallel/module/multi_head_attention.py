@@ -12,6 +12,7 @@ from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm_linear import LayerNormLinear
 from te_parallel.module.linear import Linear
 from te_parallel.module.rope import apply_rotary_pos_emb
+from te_parallel.ops.attention_dispatch import split_views
 from te_parallel.ops.rope import qkv_rope_split
 from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
 from te_parallel.parallel.groups import as_group
@@ -130,15 +131,26 @@ class MultiheadAttention(nn.Module):
         return t.reshape(*t.shape[:-1], n, self.head_dim)
 
     def _split_qkv(self, mixed: torch.Tensor):
-        """[.., (h + 2g)/tp · d] -> q [.., h/tp, d], k, v [.., g/tp, d]."""
-        h, g = self.core_attention.num_heads, self.core_attention.num_gqa_groups
+        """[.., (h + 2g)/tp · d] -> q [.., h/tp, d], k, v [.., g/tp, d]: views of `mixed` where the layout
+        allows (all but interleaved GQA), whose gradients the cuDNN frontend's attention writes into one
+        tensor that becomes mixed's gradient as it is (ops/attention_dispatch.split_views)."""
+        h, g, d = self.core_attention.num_heads, self.core_attention.num_gqa_groups, self.head_dim
+        lead = mixed.shape[:-1]
         if self.interleaved:
+            per = h // g
+            if per == 1 and mixed.dim() == 3 and not torch.compiler.is_compiling():
+                return split_views(mixed, lambda m: m.view(*lead, g, 3, d).unbind(-2),
+                                   lambda dq, dk, dv: torch.cat([t.unsqueeze(-2) for t in (dq, dk, dv)], dim=-2).view(*lead, -1))
             # one split, not three slices: its backward is one concatenation, where a slice's backward
             # zero-fills a gradient the size of `mixed` and the three are summed (3 fills + 2 adds)
-            grouped = mixed.reshape(*mixed.shape[:-1], g, h // g + 2, self.head_dim)  # [.., g, h/g + 2, d]
-            q, k, v = grouped.split([h // g, 1, 1], dim=-2)
-            return q.reshape(*mixed.shape[:-1], h, self.head_dim), k.squeeze(-2), v.squeeze(-2)
-        q, k, v = mixed.split([h * self.head_dim, g * self.head_dim, g * self.head_dim], dim=-1)
+            grouped = mixed.reshape(*lead, g, per + 2, d)  # [.., g, h/g + 2, d]
+            q, k, v = grouped.split([per, 1, 1], dim=-2)
+            return q.reshape(*lead, h, d), k.squeeze(-2), v.squeeze(-2)
+        sizes = [h * d, g * d, g * d]
+        if mixed.dim() == 3 and not torch.compiler.is_compiling():
+            return split_views(mixed, lambda m: tuple(t.view(*lead, -1, d) for t in m.split(sizes, dim=-1)),
+                               lambda dq, dk, dv: torch.cat([t.reshape(*lead, -1) for t in (dq, dk, dv)], dim=-1))
+        q, k, v = mixed.split(sizes, dim=-1)
         return self._heads(q, h), self._heads(k, g), self._heads(v, g)
 
     def _split_kv(self, mixed: torch.Tensor):

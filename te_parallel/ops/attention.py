@@ -12,10 +12,12 @@ memory-efficient kernel and the reference, which repeat K/V heads.
 
 `choose_backend` is the rule for "auto" (timings in docs/attention.md):
   * CPU: "math".
-  * CUDA fp16/bf16, dense input (no padding, no thd), no window, causal only with s_q == s_kv:
-    "cudnn" on sm_90+ with head_dim <= 128 and a multiple of 8 (GQA native), else "flash".
+  * CUDA fp16/bf16, dense input (no padding, no thd), no window, causal only with s_q == s_kv, on
+    sm_90+ with head_dim <= 128 and a multiple of 8: "cudnn_fe" when the cuDNN frontend imports
+    (outside torch.compile), else "cudnn" (SDPA's cuDNN kernels); GQA native; "flash" on older GPUs.
   * CUDA fp16/bf16 otherwise (thd, padding masks, sliding windows): "cudnn_fe" when the cuDNN
-    frontend imports, the GPU is sm_90+, head_dim <= 128 and there is no dropout; else "flash_varlen".
+    frontend imports, the GPU is sm_90+ and head_dim <= 128 (dropout with a bottom-right diagonal
+    only where s_q == s_kv); else "flash_varlen".
   * CUDA otherwise (arbitrary masks, fp32): "efficient"; fp64: "math".
 When the chosen kernel refuses the input at run time, `fallback_of` names the next one; the switch
 warns once with the reason. An explicit backend that cannot take the input is a ValueError
@@ -127,6 +129,7 @@ class Case:
     same_lengths: bool  # every sequence has s_q == s_kv (top-left == bottom-right)
     dropout: bool
     cudnn_fe: bool      # the cuDNN frontend imports
+    compiling: bool = False  # inside a torch.compile trace (the frontend's graphs are not traceable)
 
     @property
     def dense_ok(self) -> bool:
@@ -137,7 +140,8 @@ class Case:
 def make_case(q: torch.Tensor, *, ragged: bool, arbitrary: bool, band: Band, same_lengths: bool,
               dropout: bool, cudnn_fe: bool) -> Case:
     cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
-    return Case(q.device.type, cap, q.dtype, q.shape[-1], ragged, arbitrary, band, same_lengths, dropout, cudnn_fe)
+    return Case(q.device.type, cap, q.dtype, q.shape[-1], ragged, arbitrary, band, same_lengths, dropout, cudnn_fe,
+                torch.compiler.is_compiling())
 
 
 def unsupported_reason(backend: str, c: Case) -> Optional[str]:
@@ -170,15 +174,18 @@ def unsupported_reason(backend: str, c: Case) -> Optional[str]:
         return "the cuDNN frontend (pip install nvidia-cudnn-frontend)"
     if c.capability < (9, 0) or c.head_dim > 128:
         return "sm_90+ and head_dim <= 128"
-    return "no attention dropout" if c.dropout else None
+    if c.dropout and c.band.bottom_right and not c.band.full and not c.same_lengths:
+        return "no attention dropout with a bottom-right diagonal where s_q != s_kv"
+    return None
 
 
 def choose_backend(c: Case) -> str:
     """The "auto" rule (see the module docstring)."""
     if c.device_type != "cuda":
         return "math"
-    for backend in ("cudnn", "flash", "cudnn_fe", "flash_varlen"):
-        if backend == "cudnn" and c.capability < (9, 0):
+    dense_fe = c.dense_ok and not c.compiling and c.capability >= (9, 0)
+    for backend in ("cudnn_fe", "cudnn", "flash", "flash_varlen"):
+        if backend == "cudnn" and c.capability < (9, 0) or backend == "cudnn_fe" and c.dense_ok and not dense_fe:
             continue
         if unsupported_reason(backend, c) is None:
             return backend
@@ -188,7 +195,7 @@ def choose_backend(c: Case) -> str:
 def fallback_of(backend: str, c: Case) -> str:
     """The kernel to use, with a warning, when `backend` refuses the input at run time."""
     order = {"cudnn": ("flash", "efficient", "math"), "flash": ("efficient", "math"),
-             "cudnn_fe": ("flash_varlen", "efficient", "math"), "flash_varlen": ("efficient", "math"),
+             "cudnn_fe": ("cudnn", "flash_varlen", "flash", "efficient", "math"), "flash_varlen": ("efficient", "math"),
              "efficient": ("math",), "math": ("unfused",)}[backend]
     return next(b for b in order if unsupported_reason(b, c) is None)
 

@@ -1,11 +1,19 @@
-"""Packed ("thd") attention on cuDNN's fused flash-attention kernels through the cuDNN frontend
-(PyPI nvidia-cudnn-frontend, import name `cudnn`; optional: `pip install te_parallel[cudnn]`).
+"""Attention on cuDNN's fused flash-attention kernels through the cuDNN frontend (PyPI
+nvidia-cudnn-frontend, import name `cudnn`; optional: `pip install te_parallel[cudnn]`), for packed
+("thd") and dense (bshd/sbhd) inputs.
 
-q [t_q, h, d], k/v [t_kv, g, d] (GQA native) are described to cuDNN as [b, h, s, d] tensors whose
+Packed: q [t_q, h, d], k/v [t_kv, g, d] (GQA native) are described to cuDNN as [b, h, s, d] tensors whose
 sequence i starts at a ragged offset (cu_seqlens[i] · token stride elements); per-sequence lengths give
-the padding mask; a causal mask or window is cuDNN's diagonal band (left bound = window left + 1, right
-bound = window right, top-left or bottom-right aligned). Softmax statistics [b, h, s, 1] (fp32, natural
-log) go from the forward to the backward graph.
+the padding mask. Dense: q [s, b, h, d] or [b, s, h, d] with any strides (head dim contiguous), described
+as they lie; the output is written in the caller's layout, heads merged, and when q, k and v are views
+that tile one tensor (the split of a fused QKV projection's output) their gradients are written into one
+new tensor of that shape, so the projection's backward gets its gradient without a concatenation.
+A causal mask or window is cuDNN's diagonal band (left bound = window left + 1, right bound = window
+right, top-left or bottom-right aligned). Softmax statistics [b, h, s, 1] (fp32, natural log) go from
+the forward to the backward graph. Attention dropout is cuDNN's Philox generator, seeded per call by a
+draw from torch's CUDA generator (so torch.manual_seed, the TP RNG tracker's fork, activation
+recomputation and CUDA graphs see it as any torch random op) and replayed by the backward from the same
+seed.
 
 Building a graph is slow (the frontend plans and compiles it), so graphs are cached per shape: the
 batch, the longest sequences and the token counts are rounded up to quarter-octave buckets (at most
@@ -71,10 +79,14 @@ class GraphKey:
     skv: int
     tq: int
     tkv: int
-    strides: Tuple[Tuple[int, int], ...]  # (token, head) strides of q, k, v
+    strides: Tuple[Tuple[int, ...], ...]  # packed: (token, head) strides of q, k, v; dense: [b, h, s, d] strides
     band: Band
     scale: float
     deterministic: bool
+    dropout: float = 0.0
+    ragged: bool = True
+    o_strides: Tuple[int, ...] = ()                # dense: [b, h, s, d] strides of o (and of dO)
+    grad_strides: Tuple[Tuple[int, ...], ...] = ()  # dense: [b, h, s, d] strides of dq, dk, dv
 
 
 def _handle(device: torch.device):
@@ -103,7 +115,8 @@ def _offset_dtypes():
 
 
 class _Builder:
-    """One pygraph with the tensors both graphs share: q, k, v, the lengths and ragged offsets."""
+    """One pygraph with the tensors both graphs share: q, k, v, the lengths and ragged offsets (packed),
+    the dropout seed and offset."""
 
     def __init__(self, key: GraphKey, handle):
         cd = frontend()
@@ -112,12 +125,28 @@ class _Builder:
                                 compute_data_type=cd.data_type.FLOAT, handle=handle)
         self.offsets: Dict[Tuple[str, int], object] = {}
         k = key
-        self.q = self.ragged("q", "q", [k.b, k.h, k.sq, k.d], *k.strides[0])
-        self.k = self.ragged("k", "kv", [k.b, k.g, k.skv, k.d], *k.strides[1])
-        self.v = self.ragged("v", "kv", [k.b, k.g, k.skv, k.d], *k.strides[2])
-        lengths = dict(dim=[k.b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cd.data_type.INT32)
-        self.seq_q = self.graph.tensor(name="seq_q", **lengths)
-        self.seq_kv = self.graph.tensor(name="seq_kv", **lengths)
+        self.q = self.io("q", "q", [k.b, k.h, k.sq, k.d], k.strides[0])
+        self.k = self.io("k", "kv", [k.b, k.g, k.skv, k.d], k.strides[1])
+        self.v = self.io("v", "kv", [k.b, k.g, k.skv, k.d], k.strides[2])
+        self.seq_q = self.seq_kv = self.seed = self.philox_offset = None
+        if k.ragged:
+            lengths = dict(dim=[k.b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cd.data_type.INT32)
+            self.seq_q = self.graph.tensor(name="seq_q", **lengths)
+            self.seq_kv = self.graph.tensor(name="seq_kv", **lengths)
+        if k.dropout > 0:
+            scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cd.data_type.INT64)
+            self.seed = self.graph.tensor(name="dropout_seed", **scalar)
+            self.philox_offset = self.graph.tensor(name="dropout_offset", **scalar)
+
+    def io(self, name: str, side: str, dim, strides, output=None):
+        """A [b, heads, s, d] graph tensor: packed rows from ragged offsets ((token, head) strides) or, dense,
+        the given [b, h, s, d] strides."""
+        if self.key.ragged:
+            return self.ragged(name, side, dim, *strides, output=output)
+        t = output if output is not None else self.graph.tensor(name=name, dim=dim, stride=list(strides))
+        if output is not None:
+            t.set_output(True).set_dim(dim).set_stride(list(strides))
+        return t
 
     def offset(self, side: str, token_stride: int):
         if (side, token_stride) not in self.offsets:
@@ -137,7 +166,9 @@ class _Builder:
 
     def mask_args(self) -> dict:
         cd, k = self.cd, self.key
-        args = dict(attn_scale=k.scale, use_padding_mask=True, seq_len_q=self.seq_q, seq_len_kv=self.seq_kv)
+        args = dict(attn_scale=k.scale)
+        if k.ragged:
+            args.update(use_padding_mask=True, seq_len_q=self.seq_q, seq_len_kv=self.seq_kv)
         if k.band.left >= 0 or k.band.right >= 0:
             align = cd.diagonal_alignment.BOTTOM_RIGHT if k.band.bottom_right else cd.diagonal_alignment.TOP_LEFT
             args["diagonal_alignment"] = align
@@ -145,8 +176,10 @@ class _Builder:
                 args["diagonal_band_left_bound"] = k.band.left + 1  # cuDNN keeps j > p - left_bound
             if k.band.right >= 0:
                 args["diagonal_band_right_bound"] = k.band.right
-        if k.d % 16 == 0:  # bounds the backward's workspace by the token count (cuDNN >= 9.6)
+        if k.ragged and k.d % 16 == 0:  # bounds the backward's workspace by the token count (cuDNN >= 9.6)
             args.update(max_total_seq_len_q=k.tq, max_total_seq_len_kv=k.tkv)
+        if k.dropout > 0:
+            args["dropout"] = (k.dropout, self.seed, self.philox_offset)
         return args
 
     def finish(self):
@@ -164,11 +197,20 @@ class _Builder:
         return self
 
 
-def _build_forward(key: GraphKey, handle) -> _Builder:
+def _o_strides(key: GraphKey):
+    return (key.h * key.d, key.d) if key.ragged else key.o_strides
+
+
+def _build_forward(key: GraphKey, handle, dump: bool = False) -> _Builder:
     bld = _Builder(key, handle)
-    o, stats = bld.graph.sdpa(name="sdpa", q=bld.q, k=bld.k, v=bld.v, generate_stats=True, **bld.mask_args())
     k = key
-    bld.o = bld.ragged("o", "q", [k.b, k.h, k.sq, k.d], k.h * k.d, k.d, output=o)
+    extra = {}
+    if dump:  # tests: the dropout mask as 0/1 floats [b, h, s_q, s_kv]
+        bld.dump = bld.graph.tensor(name="rng_dump", dim=[k.b, k.h, k.sq, k.skv],
+                                    stride=[k.h * k.sq * k.skv, k.sq * k.skv, k.skv, 1], data_type=bld.cd.data_type.FLOAT)
+        extra["rng_dump"] = bld.dump
+    o, stats = bld.graph.sdpa(name="sdpa", q=bld.q, k=bld.k, v=bld.v, generate_stats=True, **bld.mask_args(), **extra)
+    bld.o = bld.io("o", "q", [k.b, k.h, k.sq, k.d], _o_strides(k), output=o)
     stats.set_output(True).set_data_type(bld.cd.data_type.FLOAT)
     stats.set_dim([k.b, k.h, k.sq, 1]).set_stride([k.h * k.sq, k.sq, 1, 1])
     bld.stats = stats
@@ -178,16 +220,17 @@ def _build_forward(key: GraphKey, handle) -> _Builder:
 def _build_backward(key: GraphKey, handle) -> _Builder:
     bld = _Builder(key, handle)
     k, g = key, bld.graph
-    dense_o = dict(dim=[k.b, k.h, k.sq, k.d], stride=[k.sq * k.h * k.d, k.d, k.h * k.d, 1])
-    bld.o = bld.ragged("o", "q", dense_o["dim"], k.h * k.d, k.d)
-    bld.do = bld.ragged("do", "q", dense_o["dim"], k.h * k.d, k.d)
+    dim_o = [k.b, k.h, k.sq, k.d]
+    bld.o = bld.io("o", "q", dim_o, _o_strides(k))
+    bld.do = bld.io("do", "q", dim_o, _o_strides(k))
     bld.stats = g.tensor(name="stats", dim=[k.b, k.h, k.sq, 1], stride=[k.h * k.sq, k.sq, 1, 1],
                          data_type=bld.cd.data_type.FLOAT)
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=bld.q, k=bld.k, v=bld.v, o=bld.o, dO=bld.do, stats=bld.stats,
                                  use_deterministic_algorithm=k.deterministic, **bld.mask_args())
-    bld.dq = bld.ragged("dq", "q", [k.b, k.h, k.sq, k.d], k.h * k.d, k.d, output=dq)
-    bld.dk = bld.ragged("dk", "kv", [k.b, k.g, k.skv, k.d], k.g * k.d, k.d, output=dk)
-    bld.dv = bld.ragged("dv", "kv", [k.b, k.g, k.skv, k.d], k.g * k.d, k.d, output=dv)
+    grads = ((k.h * k.d, k.d), (k.g * k.d, k.d), (k.g * k.d, k.d)) if k.ragged else k.grad_strides
+    bld.dq = bld.io("dq", "q", [k.b, k.h, k.sq, k.d], grads[0], output=dq)
+    bld.dk = bld.io("dk", "kv", [k.b, k.g, k.skv, k.d], grads[1], output=dk)
+    bld.dv = bld.io("dv", "kv", [k.b, k.g, k.skv, k.d], grads[2], output=dv)
     return bld.finish()
 
 
@@ -200,7 +243,9 @@ def _graph(key: GraphKey, which: str, device: torch.device) -> _Builder:
             _graphs.move_to_end((key, which))
     if entry is None:
         try:
-            entry = (_build_forward if which == "fwd" else _build_backward)(key, handle)
+            build = {"fwd": _build_forward, "bwd": _build_backward,
+                     "fwd_dump": lambda k, h: _build_forward(k, h, dump=True)}[which]
+            entry = build(key, handle)
         except CudnnFeUnsupported as err:
             entry = err
         with _lock:
@@ -212,19 +257,22 @@ def _graph(key: GraphKey, which: str, device: torch.device) -> _Builder:
     return entry
 
 
-def _execute(bld: _Builder, buffers: dict, cu_q, cu_kv, device) -> None:
+def _execute(bld: _Builder, buffers: dict, cu_q, cu_kv, device, seed=None) -> None:
     """Bind pointers (graph tensors -> device addresses) and run on the current stream."""
     pack = {t: x.data_ptr() for t, x in buffers.items()}
-    b = bld.key.b
-    cus = {"q": _pad_cu(cu_q, b), "kv": _pad_cu(cu_kv, b)}
     keep = []  # the small index tensors stay alive until the launch; after it the stream orders their reuse
-    for (side, token_stride), t in bld.offsets.items():
-        off = (cus[side].long() * token_stride).to(_offset_dtypes()[1])
-        keep.append(off)
-        pack[t] = off.data_ptr()
-    seq_q, seq_kv = (c[1:] - c[:-1] for c in (cus["q"], cus["kv"]))
-    keep += [seq_q, seq_kv]
-    pack[bld.seq_q], pack[bld.seq_kv] = seq_q.data_ptr(), seq_kv.data_ptr()
+    if bld.key.ragged:
+        b = bld.key.b
+        cus = {"q": _pad_cu(cu_q, b), "kv": _pad_cu(cu_kv, b)}
+        for (side, token_stride), t in bld.offsets.items():
+            off = (cus[side].long() * token_stride).to(_offset_dtypes()[1])
+            keep.append(off)
+            pack[t] = off.data_ptr()
+        seq_q, seq_kv = (c[1:] - c[:-1] for c in (cus["q"], cus["kv"]))
+        keep += [seq_q, seq_kv]
+        pack[bld.seq_q], pack[bld.seq_kv] = seq_q.data_ptr(), seq_kv.data_ptr()
+    if bld.seed is not None:
+        pack[bld.seed], pack[bld.philox_offset] = seed.data_ptr(), _zero(device).data_ptr()
     workspace = torch.empty(max(bld.workspace, 1), dtype=torch.uint8, device=device)
     try:
         bld.graph.execute(pack, workspace, handle=_handle(device))
@@ -238,12 +286,28 @@ def _pad_cu(cu: torch.Tensor, b: int) -> torch.Tensor:
     return cu.contiguous() if extra == 0 else torch.cat([cu, cu[-1:].expand(extra)]).contiguous()
 
 
-def graph_key(q, k, v, batch: int, max_q: int, max_kv: int, band: Band, scale: float) -> GraphKey:
+_zeros: Dict[int, torch.Tensor] = {}
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    """The Philox offset cuDNN reads (int64 0): each call has a seed of its own instead."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _zeros:
+        _zeros[index] = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=torch.device("cuda", index))
+    return _zeros[index]
+
+
+def dropout_seed(device: torch.device) -> torch.Tensor:
+    """int64 [1, 1, 1, 1] on the GPU, drawn from torch's CUDA generator (one small kernel)."""
+    return torch.randint(0, 2 ** 62, (1, 1, 1, 1), dtype=torch.int64, device=device)
+
+
+def graph_key(q, k, v, batch: int, max_q: int, max_kv: int, band: Band, scale: float, dropout: float = 0.0) -> GraphKey:
     strides = tuple((t.stride(0), t.stride(1)) for t in (q, k, v))
     return GraphKey(q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
                     bucket(batch), q.shape[1], k.shape[1], q.shape[2], bucket(max_q, 64), bucket(max_kv, 64),
                     bucket(q.shape[0], 64), bucket(k.shape[0], 64), strides, band, float(scale),
-                    torch.are_deterministic_algorithms_enabled())
+                    torch.are_deterministic_algorithms_enabled(), float(dropout))
 
 
 class CudnnFeFunction(torch.autograd.Function):
@@ -252,23 +316,25 @@ class CudnnFeFunction(torch.autograd.Function):
     caller can still choose another kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, band: Band, scale: float, zero_fill: bool):
+    def forward(ctx, q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, band: Band, scale: float, zero_fill: bool,
+                dropout: float):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        key = graph_key(q, k, v, cu_q.numel() - 1, max_q, max_kv, band, scale)
+        key = graph_key(q, k, v, cu_q.numel() - 1, max_q, max_kv, band, scale, dropout)
         fwd = _graph(key, "fwd", q.device)
         if any(ctx.needs_input_grad[:3]):
             _graph(key, "bwd", q.device)
         # a query of a sequence with no keys is never written by the kernel: zero it when that can happen
         out = (torch.zeros if zero_fill else torch.empty)(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         stats = torch.empty(key.b, key.h, key.sq, 1, dtype=torch.float32, device=q.device)
-        _execute(fwd, {fwd.q: q, fwd.k: k, fwd.v: v, fwd.o: out, fwd.stats: stats}, cu_q, cu_kv, q.device)
-        ctx.save_for_backward(q, k, v, out, stats, cu_q, cu_kv)
+        seed = dropout_seed(q.device) if dropout > 0 else None
+        _execute(fwd, {fwd.q: q, fwd.k: k, fwd.v: v, fwd.o: out, fwd.stats: stats}, cu_q, cu_kv, q.device, seed)
+        ctx.save_for_backward(q, k, v, out, stats, cu_q, cu_kv, seed)
         ctx.key, ctx.zero_fill = key, zero_fill
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, stats, cu_q, cu_kv = ctx.saved_tensors
+        q, k, v, out, stats, cu_q, cu_kv, seed = ctx.saved_tensors
         bwd = _graph(ctx.key, "bwd", q.device)
         new = torch.zeros if ctx.zero_fill else torch.empty
         dq = new(q.shape, dtype=q.dtype, device=q.device)
@@ -276,12 +342,137 @@ class CudnnFeFunction(torch.autograd.Function):
         dv = new(v.shape, dtype=v.dtype, device=v.device)
         buffers = {bwd.q: q, bwd.k: k, bwd.v: v, bwd.o: out, bwd.do: grad_out.contiguous(), bwd.stats: stats,
                    bwd.dq: dq, bwd.dk: dk, bwd.dv: dv}
-        _execute(bwd, buffers, cu_q, cu_kv, q.device)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        _execute(bwd, buffers, cu_q, cu_kv, q.device, seed)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def cudnn_fe_attention(q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, band: Band, scale: float,
-                       same_lengths: bool) -> torch.Tensor:
+                       same_lengths: bool, dropout: float = 0.0) -> torch.Tensor:
     """q [t_q, h, d], k/v [t_kv, g, d] -> [t_q, h, d]. Raises CudnnFeUnsupported if cuDNN refuses."""
-    return CudnnFeFunction.apply(q, k, v, cu_q, cu_kv, max_q, max_kv, band, scale, not same_lengths)
+    return CudnnFeFunction.apply(q, k, v, cu_q, cu_kv, max_q, max_kv, band, scale, not same_lengths, dropout)
 
+
+# -- dense inputs ----------------------------------------------------------------------------------
+
+_tilings: "OrderedDict[tuple, bool]" = OrderedDict()
+
+
+def _tiles(parts, base: torch.Tensor) -> bool:
+    """Whether the views `parts` of the contiguous `base` ([n0, n1, ...] with the same two outer dims)
+    cover each of its elements exactly once: every (i, j) row of `base` is split among them, as the
+    q/k/v views of a fused projection's output are. Checked once per geometry."""
+    rel = tuple(t.storage_offset() - base.storage_offset() for t in parts)
+    geometry = (tuple(base.shape),) + tuple((tuple(t.shape), t.stride(), off) for t, off in zip(parts, rel))
+    hit = _tilings.get(geometry)
+    if hit is None:
+        hit = _tiles_rows(parts, rel, base.numel())
+        _tilings[geometry] = hit
+        while len(_tilings) > 64:
+            _tilings.popitem(last=False)
+    return hit
+
+
+def _tiles_rows(parts, rel, numel: int) -> bool:
+    outer = {(t.shape[0], t.shape[1], t.stride(0), t.stride(1)) for t in parts}
+    if len(outer) != 1:
+        return False
+    n0, n1, s0, s1 = outer.pop()
+    if s0 != n1 * s1 or numel != n0 * n1 * s1:
+        return False
+    count = torch.zeros(s1, dtype=torch.int32)
+    for t, off in zip(parts, rel):
+        last = off + sum((n - 1) * st for n, st in zip(t.shape[2:], t.stride()[2:]))
+        if off < 0 or last >= s1 or min(t.stride()[2:]) < 0:
+            return False
+        index = torch.arange(s1).as_strided(t.shape[2:], t.stride()[2:], off).reshape(-1)
+        count.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+    return bool((count == 1).all())
+
+
+def shared_base(q, k, v):
+    """The tensor q, k and v are views of when together they tile it (a fused QKV output split into q, k,
+    v), else None."""
+    base = q._base
+    if (base is None or k._base is not base or v._base is not base or not base.is_contiguous()
+            or base.dtype != q.dtype or q.numel() + k.numel() + v.numel() != base.numel()):
+        return None
+    return base if _tiles([q, k, v], base) else None
+
+
+def _bhsd_strides(t: torch.Tensor, sbhd: bool) -> Tuple[int, ...]:
+    """Strides of t ([s, b, n, d] or [b, s, n, d]) seen as [b, n, s, d]."""
+    st = t.stride()
+    return (st[1], st[2], st[0], st[3]) if sbhd else (st[0], st[2], st[1], st[3])
+
+
+def _contiguous_bhsd(shape, sbhd: bool) -> Tuple[int, ...]:
+    """The [b, n, s, d] strides of a contiguous tensor of `shape` ([s, b, n, d] or [b, s, n, d])."""
+    n, d = shape[2], shape[3]
+    return (n * d, d, shape[1] * n * d, 1) if sbhd else (shape[1] * n * d, d, n * d, 1)
+
+
+def dense_key(q, k, v, sbhd: bool, band: Band, scale: float, dropout: float, shared: bool) -> GraphKey:
+    s_dim, b_dim = (0, 1) if sbhd else (1, 0)
+    b, h, d = q.shape[b_dim], q.shape[2], q.shape[3]
+    strides = tuple(_bhsd_strides(t, sbhd) for t in (q, k, v))
+    grads = strides if shared else tuple(_contiguous_bhsd(t.shape, sbhd) for t in (q, k, v))
+    o_strides = _contiguous_bhsd((q.shape[0], q.shape[1], h, v.shape[3]), sbhd)
+    return GraphKey(q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
+                    b, h, k.shape[2], d, q.shape[s_dim], k.shape[s_dim], 0, 0, strides, band, float(scale),
+                    torch.are_deterministic_algorithms_enabled(), float(dropout), False, o_strides, grads)
+
+
+class CudnnFeDenseFunction(torch.autograd.Function):
+    """Attention on dense q [s, b, h, d] (sbhd) or [b, s, h, d], k/v with g heads, read where they lie;
+    output in the same layout with heads merged. dq, dk, dv go into one new tensor shaped like q's base
+    when q, k, v tile it (see `shared_base`), else each into a contiguous tensor of its shape."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sbhd: bool, band: Band, scale: float, dropout: float):
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            q, k, v = (t.contiguous() for t in (q, k, v))
+        base = shared_base(q, k, v)
+        key = dense_key(q, k, v, sbhd, band, scale, dropout, base is not None)
+        fwd = _graph(key, "fwd", q.device)
+        if any(ctx.needs_input_grad[:3]):
+            _graph(key, "bwd", q.device)
+        out = torch.empty(q.shape[0], q.shape[1], q.shape[2] * v.shape[3], dtype=q.dtype, device=q.device)
+        stats = torch.empty(key.b, key.h, key.sq, 1, dtype=torch.float32, device=q.device)
+        seed = dropout_seed(q.device) if dropout > 0 else None
+        _execute(fwd, {fwd.q: q, fwd.k: k, fwd.v: v, fwd.o: out, fwd.stats: stats}, None, None, q.device, seed)
+        ctx.save_for_backward(q, k, v, out, stats, seed)
+        ctx.key = key
+        ctx.base = None if base is None else (base.shape, [t.storage_offset() - base.storage_offset() for t in (q, k, v)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, stats, seed = ctx.saved_tensors
+        bwd = _graph(ctx.key, "bwd", q.device)
+        if ctx.base is not None:
+            shape, offsets = ctx.base
+            grad_base = torch.empty(shape, dtype=q.dtype, device=q.device)
+            dq, dk, dv = (grad_base.as_strided(t.shape, t.stride(), off) for t, off in zip((q, k, v), offsets))
+        else:
+            dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        buffers = {bwd.q: q, bwd.k: k, bwd.v: v, bwd.o: out, bwd.do: grad_out.contiguous(), bwd.stats: stats,
+                   bwd.dq: dq, bwd.dk: dk, bwd.dv: dv}
+        _execute(bwd, buffers, None, None, q.device, seed)
+        return dq, dk, dv, None, None, None, None
+
+
+def cudnn_fe_dense_attention(q, k, v, sbhd: bool, band: Band, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """q [s, b, h, d] (sbhd) or [b, s, h, d], k/v with g heads -> [s, b, h·d] or [b, s, h·d]. Raises
+    CudnnFeUnsupported if cuDNN refuses."""
+    return CudnnFeDenseFunction.apply(q, k, v, sbhd, band, scale, dropout)
+
+
+def dropout_mask(key: GraphKey, q, k, v, seed: torch.Tensor, cu_q=None, cu_kv=None) -> torch.Tensor:
+    """Tests: the 0/1 dropout mask [b, h, s_q, s_kv] (fp32) that the forward graph of `key` applies with
+    `seed`, from the same graph with cuDNN's RNG dump (0 where the kernel skips masked-out tiles)."""
+    bld = _graph(key, "fwd_dump", q.device)
+    out = torch.empty(max(key.b * key.sq, key.tq) * key.h * key.d, dtype=q.dtype, device=q.device)
+    stats = torch.empty(key.b, key.h, key.sq, 1, dtype=torch.float32, device=q.device)
+    mask = torch.zeros(key.b, key.h, key.sq, key.skv, dtype=torch.float32, device=q.device)
+    _execute(bld, {bld.q: q, bld.k: k, bld.v: v, bld.o: out, bld.stats: stats, bld.dump: mask}, cu_q, cu_kv, q.device, seed)
+    return mask

@@ -87,15 +87,28 @@ def _describe(call: Call, batch: Batch) -> str:
 def _execute(call: Call, batch: Batch, backend: str) -> torch.Tensor:
     if backend in DENSE_BACKENDS:
         return _run_dense(call, batch, backend)
+    if backend == "cudnn_fe" and batch.kind == "dense" and batch.arbitrary is None:
+        s_dim = 0 if call.fmt == "sbhd" else 1
+        same = batch.q.shape[s_dim] == batch.k.shape[s_dim]
+        if batch.q.shape[s_dim] and batch.k.shape[s_dim]:
+            return cudnn_fe.cudnn_fe_dense_attention(batch.q, batch.k, batch.v, call.fmt == "sbhd", _aligned(call.band, same),
+                                                     call.scale, call.dropout_p)
     q, k, v, packed, restore = _to_packed(call, batch)
     if q.shape[0] == 0 or k.shape[0] == 0:
         out = q * 0  # no tokens, or no keys for any query: zeros, still attached to q for autograd
     elif backend == "cudnn_fe":
-        out = cudnn_fe.cudnn_fe_attention(q, k, v, packed.cu_q, packed.cu_kv, packed.max_q, packed.max_kv, call.band,
-                                          call.scale, packed.same_lengths)
+        out = cudnn_fe.cudnn_fe_attention(q, k, v, packed.cu_q, packed.cu_kv, packed.max_q, packed.max_kv,
+                                          _aligned(call.band, packed.same_lengths), call.scale, packed.same_lengths,
+                                          call.dropout_p)
     else:
         out = vl.flash_varlen(q, k, v, packed, call.band, call.scale, call.dropout_p)
     return restore(out)
+
+
+def _aligned(band: Band, same_lengths: bool) -> Band:
+    """Where every sequence has s_q == s_kv the two alignments are one band: top-left, which cuDNN also
+    takes with dropout."""
+    return Band(False, band.left, band.right) if same_lengths and band.bottom_right and not band.full else band
 
 
 # -- dense kernels ---------------------------------------------------------------------------------
@@ -305,3 +318,34 @@ def _gap_rows(owner: str, side: str, cu, cu_pad, rows: int) -> Optional[torch.Te
     if bool(((cu[1:] - cu[:-1]) > (cu_pad[1:] - cu_pad[:-1])).any()):
         raise ValueError(f"{owner}: each sequence of cu_seqlens_{side} must fit in its slot of {name}")
     return vl.compact_rows(cu, cu_pad)
+
+
+# -- q, k, v as views of a fused projection's output -----------------------------------------------
+
+class _SplitViews(torch.autograd.Function):
+    """mixed -> the views q, k, v that `views(mixed)` gives (together they tile it). Backward: when the three
+    gradients are the same views of one tensor shaped like mixed (the cuDNN frontend's dense attention
+    writes them so), that tensor is mixed's gradient, with no copy; else `join` concatenates them."""
+
+    @staticmethod
+    def forward(ctx, mixed, views, join):
+        parts = views(mixed)
+        ctx.shape, ctx.join, ctx.like = mixed.shape, join, dict(dtype=mixed.dtype, device=mixed.device)
+        ctx.geometry = tuple((t.shape, t.stride(), t.storage_offset() - mixed.storage_offset()) for t in parts)
+        return parts
+
+    @staticmethod
+    def backward(ctx, *grads):
+        base = grads[0]._base if grads[0] is not None else None  # (mixed's own base may be 2-D: the GEMM's output)
+        if (base is not None and base.numel() == ctx.shape.numel() and base.is_contiguous()
+                and all(g is not None and g._base is base and (g.shape, g.stride(), g.storage_offset() - base.storage_offset()) == geo
+                        for g, geo in zip(grads, ctx.geometry))):
+            return base.view(ctx.shape), None, None
+        grads = [torch.zeros(shape, **ctx.like) if g is None else g for g, (shape, _, _) in zip(grads, ctx.geometry)]
+        return ctx.join(*grads), None, None
+
+
+def split_views(mixed: torch.Tensor, views, join):
+    """q, k, v = views(mixed) whose gradients come back joined without a copy when the attention kernel
+    writes them into one tensor (see _SplitViews); `join(dq, dk, dv)` builds mixed's gradient otherwise."""
+    return _SplitViews.apply(mixed, views, join)

@@ -110,7 +110,7 @@ def test_dense_gqa_causal(backend, groups, dtype, sm90):
     dpa = te.DotProductAttention(h, d, num_gqa_groups=groups, attn_mask_type="causal", qkv_format="bshd", backend=backend)
     q, k, v = _rand(b, s, h, d, dtype=dtype), _rand(b, s, groups, d, dtype=dtype), _rand(b, s, groups, d, dtype=dtype)
     out = dpa(q, k, v)
-    assert dpa.last_backend == ("cudnn" if backend == "auto" else backend)
+    assert dpa.last_backend == (("cudnn_fe" if cudnn_fe.available() else "cudnn") if backend == "auto" else backend)
     dy = torch.randn_like(out)
     out.backward(dy)
 
@@ -128,7 +128,170 @@ def test_llama_shape_runs_on_cudnn(sm90):
     q = torch.randn(4096, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(4096, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dpa(q, k, v)
-    assert dpa.last_backend == "cudnn"
+    assert dpa.last_backend == ("cudnn_fe" if cudnn_fe.available() else "cudnn")
+
+
+# -- dense through the cuDNN frontend ---------------------------------------------------------------
+
+def _dense(fmt, s, b, n, d, dtype=torch.bfloat16):
+    return _rand(*((s, b) if fmt == "sbhd" else (b, s)), n, d, dtype=dtype)
+
+
+def _sbhd(t, fmt):
+    return t if fmt == "sbhd" else t.transpose(0, 1)
+
+
+DENSE_FE = [  # fmt, heads, groups, s_q, s_kv, mask type, window
+    ("sbhd", 8, 8, 256, 256, "causal", None),           # GPT: MHA, causal
+    ("bshd", 8, 2, 256, 256, "causal", None),           # GQA
+    ("sbhd", 8, 1, 200, 200, "no_mask", None),          # MQA, a length off the 64 grid
+    ("bshd", 8, 2, 128, 256, "causal", None),           # top-left diagonal, s_q < s_kv
+    ("sbhd", 8, 2, 128, 256, "causal_bottom_right", None),
+    ("sbhd", 8, 8, 256, 256, "causal", (64, 0)),        # sliding window
+    ("bshd", 4, 4, 96, 160, "no_mask", (32, 16)),       # a two-sided window, bottom-right
+]
+
+
+@pytest.mark.parametrize("case", DENSE_FE, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cudnn_fe_dense(case, dtype, fe):
+    """Dense bshd/sbhd on the frontend's graphs (auto's choice on sm_90+): outputs and gradients against fp64."""
+    fmt, h, g, sq, skv, mask_type, win = case
+    d, b = 64, 2
+    dpa = te.DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type=mask_type, window_size=win, qkv_format=fmt,
+                                 attention_type="self" if sq == skv else "cross")
+    q, k, v = _dense(fmt, sq, b, h, d, dtype), _dense(fmt, skv, b, g, d, dtype), _dense(fmt, skv, b, g, d, dtype)
+    out = dpa(q, k, v)
+    assert dpa.last_backend == "cudnn_fe"
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    masked = te_mask(sq, skv, mask_type, win)
+
+    def ref(q_, k_, v_):
+        if q_.dtype == torch.float64:
+            return _sbhd(ref_attention(*(_sbhd(t, fmt) for t in (q_, k_, v_)), masked), fmt)
+        bhsd = [t.permute(1, 2, 0, 3) if fmt == "sbhd" else t.transpose(1, 2) for t in (q_, k_, v_)]
+        o = attention_reference(*bhsd, masked.cuda(), d ** -0.5)
+        o = o.permute(2, 0, 1, 3) if fmt == "sbhd" else o.transpose(1, 2)
+        return o.reshape(*o.shape[:2], -1)
+    _assert_close(out, [q, k, v], ref, dy, f"cudnn_fe dense {case}")
+
+
+def _views(interleaved, s, b, h, d):
+    if interleaved:  # Megatron's per-head [q k v] blocks
+        return lambda m: m.view(s, b, h, 3, d).unbind(-2)
+    return lambda m: tuple(t.view(s, b, h, d) for t in m.split(h * d, dim=-1))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_cudnn_fe_writes_fused_qkv_gradient_in_place(interleaved, fe):
+    """q, k, v split from one projection output: the backward writes dq, dk, dv into one tensor, which is
+    the projection output's gradient with no join; equal to attention on separate copies."""
+    from te_parallel.ops.attention_dispatch import split_views
+    s, b, h, d = 128, 2, 8, 64
+    views = _views(interleaved, s, b, h, d)
+    mixed = torch.randn(s, b, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    joined = []
+    q, k, v = split_views(mixed, views, lambda *g: joined.append(g) or torch.cat([t.reshape(s, b, -1) for t in g], -1))
+    dpa = te.DotProductAttention(h, d, attn_mask_type="causal")
+    out = dpa(q, k, v)
+    assert dpa.last_backend == "cudnn_fe"
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    assert joined == []
+    copies = [t.detach().clone().requires_grad_(True) for t in views(mixed.detach())]
+    ref = dpa(*copies)
+    ref.backward(dy)
+    assert torch.equal(out, ref)
+    for got, want in zip(views(mixed.grad), copies):
+        assert torch.equal(got, want.grad)
+
+
+def test_mha_gpt_backward_has_no_qkv_join(fe):
+    """A GPT-style MultiheadAttention (fused interleaved QKV, MHA, causal): no concatenation of the q/k/v
+    gradients in its backward, and the same output and gradients as with SDPA's cuDNN kernels."""
+    kw = dict(hidden_size=512, num_attention_heads=8, attention_dropout=0.0, input_layernorm=True, fuse_qkv_params=True,
+              attn_mask_type="causal", params_dtype=torch.bfloat16, device="cuda")
+    torch.manual_seed(0)
+    fe_mha = te.MultiheadAttention(**kw)
+    sdpa = te.MultiheadAttention(**kw, attention_backend="cudnn")
+    sdpa.load_state_dict(fe_mha.state_dict())
+    x = torch.randn(256, 2, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    out = fe_mha(x)
+    dy = torch.randn_like(out)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(dy)
+    ops = {e.name for e in prof.events()}
+    assert fe_mha.core_attention.last_backend == "cudnn_fe"
+    assert not ops & {"aten::cat", "aten::stack"}, sorted(ops & {"aten::cat", "aten::stack"})
+    ref = sdpa(x2)
+    ref.backward(dy)
+    assert rel_err(out.float(), ref.float()) < 1e-2 and rel_err(x.grad.float(), x2.grad.float()) < 1e-2
+    for (name, p1), p2 in zip(fe_mha.named_parameters(), sdpa.parameters()):
+        assert rel_err(p1.grad.float(), p2.grad.float()) < 1e-2, name
+
+
+@pytest.mark.parametrize("fmt, groups", [("sbhd", 8), ("bshd", 2)])
+def test_cudnn_fe_dense_dropout_against_its_mask(fmt, groups, fe):
+    """Attention dropout on cuDNN's Philox generator: the output and gradients equal the fp64 reference
+    with the mask cuDNN dumps for the same seed; the seed comes from torch's generator."""
+    from te_parallel.ops.attention import Band
+    h, d, s, b, p = 8, 64, 256, 2, 0.25
+    dpa = te.DotProductAttention(h, d, num_gqa_groups=groups, attention_dropout=p, qkv_format=fmt, attn_mask_type="causal")
+    q, k, v = _dense(fmt, s, b, h, d), _dense(fmt, s, b, groups, d), _dense(fmt, s, b, groups, d)
+    torch.cuda.manual_seed(1234)
+    out = dpa(q, k, v)
+    assert dpa.last_backend == "cudnn_fe"
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    torch.cuda.manual_seed(1234)
+    seed = cudnn_fe.dropout_seed(q.device)
+    key = cudnn_fe.dense_key(q, k, v, fmt == "sbhd", Band(False, -1, 0), d ** -0.5, p, shared=False)
+    causal = te_mask(s, s, "causal")
+    keep = cudnn_fe.dropout_mask(key, q, k, v, seed).double().cpu().masked_fill(causal, 0.0)  # (not written above the diagonal)
+    seen = keep[..., ~causal]
+    assert set(seen.unique().tolist()) == {0.0, 1.0} and abs(seen.mean().item() - (1 - p)) < 0.01
+    xs = [_sbhd(t.detach().double().cpu(), fmt).requires_grad_(True) for t in (q, k, v)]
+    ref = ref_attention(*xs, causal, keep=keep, dropout=p)
+    ref.backward(_sbhd(dy.double().cpu(), fmt))
+    assert rel_err(_sbhd(out.double().cpu(), fmt), ref) < 1e-2
+    for t, x in zip((q, k, v), xs):
+        assert rel_err(_sbhd(t.grad.double().cpu(), fmt), x.grad) < 2e-2
+    # another draw, another mask; eval mode, none
+    assert not torch.equal(dpa(q, k, v), out)
+    dpa.eval()
+    torch.testing.assert_close(dpa(q, k, v), te.DotProductAttention(h, d, num_gqa_groups=groups, qkv_format=fmt)(q, k, v))
+
+
+def test_cudnn_fe_packed_dropout_against_its_mask(fe):
+    """Dropout on packed sequences (auto: cuDNN frontend): each sequence against the fp64 reference with its
+    block of the dumped mask."""
+    from te_parallel.ops.attention import Band
+    h, d, p = 4, 64, 0.2
+    dpa = te.DotProductAttention(h, d, qkv_format="thd", attn_mask_type="padding_causal", attention_dropout=p)
+    cu = _cu(LENGTHS)
+    q, k, v = (_rand(sum(LENGTHS), h, d, dtype=torch.bfloat16) for _ in range(3))
+    torch.cuda.manual_seed(99)
+    out = dpa(q, k, v, cu_seqlens_q=cu, max_seqlen_q=128)
+    assert dpa.last_backend == "cudnn_fe"
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    torch.cuda.manual_seed(99)
+    seed = cudnn_fe.dropout_seed(q.device)
+    key = cudnn_fe.graph_key(q, k, v, len(LENGTHS), 128, 128, Band(False, -1, 0), d ** -0.5, p)
+    keep = cudnn_fe.dropout_mask(key, q, k, v, seed, cu, cu).double().cpu()
+    xs = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    outs, c = [], cu.tolist()
+    for i, n in enumerate(LENGTHS):
+        if n:
+            seq = [x[c[i]:c[i + 1]].unsqueeze(1) for x in xs]
+            outs.append(ref_attention(*seq, te_mask(n, n, "causal"), keep=keep[i:i + 1, :, :n, :n], dropout=p).squeeze(1))
+    ref = torch.cat(outs)
+    ref.backward(dy.double().cpu())
+    assert rel_err(out.double().cpu(), ref) < 1e-2
+    for t, x in zip((q, k, v), xs):
+        assert rel_err(t.grad.double().cpu(), x.grad) < 2e-2
 
 
 # -- packed sequences: flash_varlen and cudnn_fe ----------------------------------------------------
@@ -205,9 +368,13 @@ def test_padding_mask_unpads_to_varlen(fmt, backend, device):
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
-def test_varlen_dropout_is_reproducible(device):
-    """Dropout on packed sequences runs on flash_varlen (auto); same seed, same output and gradients."""
-    dpa = te.DotProductAttention(8, 64, qkv_format="thd", attn_mask_type="padding_causal", attention_dropout=0.2)
+@pytest.mark.parametrize("backend", ["flash_varlen", "cudnn_fe"])
+def test_varlen_dropout_is_reproducible(backend, device):
+    """Dropout on packed sequences; same seed, same output and gradients."""
+    if backend == "cudnn_fe" and (torch.cuda.get_device_capability() < (9, 0) or not cudnn_fe.available()):
+        pytest.skip("needs sm_90+ and the cuDNN frontend")
+    dpa = te.DotProductAttention(8, 64, qkv_format="thd", attn_mask_type="padding_causal", attention_dropout=0.2,
+                                 backend=backend)
     cu = _cu(LENGTHS)
     q = _rand(sum(LENGTHS), 8, 64, dtype=torch.bfloat16)
     runs = []
@@ -217,8 +384,8 @@ def test_varlen_dropout_is_reproducible(device):
         out = dpa(q, q, q, cu_seqlens_q=cu)
         out.float().pow(2).sum().backward()
         runs.append((out.detach(), q.grad.clone()))
-    assert dpa.last_backend == "flash_varlen"
-    # the same mask both times: outputs equal bit for bit, gradients up to flash's atomic dq accumulation
+    assert dpa.last_backend == backend
+    # the same mask both times: outputs equal bit for bit, gradients up to the kernels' atomic dq accumulation
     assert torch.equal(runs[0][0], runs[1][0]) and rel_err(runs[0][1].float(), runs[1][1].float()) < 1e-2
     assert torch.isfinite(runs[0][1]).all()
     dpa.eval()
