@@ -89,18 +89,30 @@ class GraphKey:
     grad_strides: Tuple[Tuple[int, ...], ...] = ()  # dense: [b, h, s, d] strides of dq, dk, dv
 
 
-def _handle(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
+_streams: Dict[int, int] = {}  # the stream each device's handle was last bound to
+
+
+def _handle(index: int):
+    """The device's cuDNN handle, bound to the current stream."""
     try:
-        with _lock:
-            if index not in _handles:
-                with torch.cuda.device(index):
-                    _handles[index] = frontend().create_handle()
-            handle = _handles[index]
-        frontend().set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
+        handle = _handles.get(index)
+        if handle is None:
+            with _lock:
+                if index not in _handles:
+                    with torch.cuda.device(index):
+                        _handles[index] = frontend().create_handle()
+                handle = _handles[index]
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        if _streams.get(index) != stream:
+            frontend().set_stream(handle, stream)
+            _streams[index] = stream
     except Exception as err:  # e.g. a frontend built for another cuDNN: the caller falls back
         raise CudnnFeUnsupported(f"cannot get a cuDNN handle ({str(err).strip()[:200]})") from err
     return handle
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _io_type(dtype: torch.dtype):
@@ -234,14 +246,14 @@ def _build_backward(key: GraphKey, handle) -> _Builder:
     return bld.finish()
 
 
-def _graph(key: GraphKey, which: str, device: torch.device) -> _Builder:
+def _graph(key: GraphKey, which: str) -> _Builder:
     """The cached graph (or the cached reason it cannot be built)."""
-    handle = _handle(device)
     with _lock:
         entry = _graphs.get((key, which))
         if entry is not None:
             _graphs.move_to_end((key, which))
     if entry is None:
+        handle = _handle(key.device)
         try:
             build = {"fwd": _build_forward, "bwd": _build_backward,
                      "fwd_dump": lambda k, h: _build_forward(k, h, dump=True)}[which]
@@ -258,8 +270,10 @@ def _graph(key: GraphKey, which: str, device: torch.device) -> _Builder:
 
 
 def _execute(bld: _Builder, buffers: dict, cu_q, cu_kv, device, seed=None) -> None:
-    """Bind pointers (graph tensors -> device addresses) and run on the current stream."""
-    pack = {t: x.data_ptr() for t, x in buffers.items()}
+    """Bind the buffers to the graph's tensors and run on the current stream. Tensors, not their addresses:
+    the frontend reads a tensor natively and describes a bare address in Python, slot by slot (~20% of a
+    small attention call's host time)."""
+    pack = dict(buffers)
     keep = []  # the small index tensors stay alive until the launch; after it the stream orders their reuse
     if bld.key.ragged:
         b = bld.key.b
@@ -267,15 +281,15 @@ def _execute(bld: _Builder, buffers: dict, cu_q, cu_kv, device, seed=None) -> No
         for (side, token_stride), t in bld.offsets.items():
             off = (cus[side].long() * token_stride).to(_offset_dtypes()[1])
             keep.append(off)
-            pack[t] = off.data_ptr()
+            pack[t] = off
         seq_q, seq_kv = (c[1:] - c[:-1] for c in (cus["q"], cus["kv"]))
         keep += [seq_q, seq_kv]
-        pack[bld.seq_q], pack[bld.seq_kv] = seq_q.data_ptr(), seq_kv.data_ptr()
+        pack[bld.seq_q], pack[bld.seq_kv] = seq_q, seq_kv
     if bld.seed is not None:
-        pack[bld.seed], pack[bld.philox_offset] = seed.data_ptr(), _zero(device).data_ptr()
+        pack[bld.seed], pack[bld.philox_offset] = seed, _zero(device)
     workspace = torch.empty(max(bld.workspace, 1), dtype=torch.uint8, device=device)
     try:
-        bld.graph.execute(pack, workspace, handle=_handle(device))
+        bld.graph.execute(pack, workspace, handle=_handle(bld.key.device))
     except Exception as err:  # the frontend's own exception types: one RuntimeError for the caller
         raise CudnnFeUnsupported(f"cuDNN attention graph failed to execute ({str(err).strip()[:200]})") from err
 
@@ -304,7 +318,7 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
 
 def graph_key(q, k, v, batch: int, max_q: int, max_kv: int, band: Band, scale: float, dropout: float = 0.0) -> GraphKey:
     strides = tuple((t.stride(0), t.stride(1)) for t in (q, k, v))
-    return GraphKey(q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
+    return GraphKey(_index(q.device), q.dtype,
                     bucket(batch), q.shape[1], k.shape[1], q.shape[2], bucket(max_q, 64), bucket(max_kv, 64),
                     bucket(q.shape[0], 64), bucket(k.shape[0], 64), strides, band, float(scale),
                     torch.are_deterministic_algorithms_enabled(), float(dropout))
@@ -320,9 +334,9 @@ class CudnnFeFunction(torch.autograd.Function):
                 dropout: float):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         key = graph_key(q, k, v, cu_q.numel() - 1, max_q, max_kv, band, scale, dropout)
-        fwd = _graph(key, "fwd", q.device)
+        fwd = _graph(key, "fwd")
         if any(ctx.needs_input_grad[:3]):
-            _graph(key, "bwd", q.device)
+            _graph(key, "bwd")
         # a query of a sequence with no keys is never written by the kernel: zero it when that can happen
         out = (torch.zeros if zero_fill else torch.empty)(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         stats = torch.empty(key.b, key.h, key.sq, 1, dtype=torch.float32, device=q.device)
@@ -335,7 +349,7 @@ class CudnnFeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, stats, cu_q, cu_kv, seed = ctx.saved_tensors
-        bwd = _graph(ctx.key, "bwd", q.device)
+        bwd = _graph(ctx.key, "bwd")
         new = torch.zeros if ctx.zero_fill else torch.empty
         dq = new(q.shape, dtype=q.dtype, device=q.device)
         dk = new(k.shape, dtype=k.dtype, device=k.device)
@@ -417,7 +431,7 @@ def dense_key(q, k, v, sbhd: bool, band: Band, scale: float, dropout: float, sha
     strides = tuple(_bhsd_strides(t, sbhd) for t in (q, k, v))
     grads = strides if shared else tuple(_contiguous_bhsd(t.shape, sbhd) for t in (q, k, v))
     o_strides = _contiguous_bhsd((q.shape[0], q.shape[1], h, v.shape[3]), sbhd)
-    return GraphKey(q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
+    return GraphKey(_index(q.device), q.dtype,
                     b, h, k.shape[2], d, q.shape[s_dim], k.shape[s_dim], 0, 0, strides, band, float(scale),
                     torch.are_deterministic_algorithms_enabled(), float(dropout), False, o_strides, grads)
 
@@ -433,9 +447,9 @@ class CudnnFeDenseFunction(torch.autograd.Function):
             q, k, v = (t.contiguous() for t in (q, k, v))
         base = shared_base(q, k, v)
         key = dense_key(q, k, v, sbhd, band, scale, dropout, base is not None)
-        fwd = _graph(key, "fwd", q.device)
+        fwd = _graph(key, "fwd")
         if any(ctx.needs_input_grad[:3]):
-            _graph(key, "bwd", q.device)
+            _graph(key, "bwd")
         out = torch.empty(q.shape[0], q.shape[1], q.shape[2] * v.shape[3], dtype=q.dtype, device=q.device)
         stats = torch.empty(key.b, key.h, key.sq, 1, dtype=torch.float32, device=q.device)
         seed = dropout_seed(q.device) if dropout > 0 else None
@@ -448,7 +462,7 @@ class CudnnFeDenseFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, stats, seed = ctx.saved_tensors
-        bwd = _graph(ctx.key, "bwd", q.device)
+        bwd = _graph(ctx.key, "bwd")
         if ctx.base is not None:
             shape, offsets = ctx.base
             grad_base = torch.empty(shape, dtype=q.dtype, device=q.device)
@@ -470,7 +484,7 @@ def cudnn_fe_dense_attention(q, k, v, sbhd: bool, band: Band, scale: float, drop
 def dropout_mask(key: GraphKey, q, k, v, seed: torch.Tensor, cu_q=None, cu_kv=None) -> torch.Tensor:
     """Tests: the 0/1 dropout mask [b, h, s_q, s_kv] (fp32) that the forward graph of `key` applies with
     `seed`, from the same graph with cuDNN's RNG dump (0 where the kernel skips masked-out tiles)."""
-    bld = _graph(key, "fwd_dump", q.device)
+    bld = _graph(key, "fwd_dump")
     out = torch.empty(max(key.b * key.sq, key.tq) * key.h * key.d, dtype=q.dtype, device=q.device)
     stats = torch.empty(key.b, key.h, key.sq, 1, dtype=torch.float32, device=q.device)
     mask = torch.zeros(key.b, key.h, key.sq, key.skv, dtype=torch.float32, device=q.device)
