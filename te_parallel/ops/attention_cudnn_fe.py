@@ -89,11 +89,9 @@ class GraphKey:
     grad_strides: Tuple[Tuple[int, ...], ...] = ()  # dense: [b, h, s, d] strides of dq, dk, dv
 
 
-_streams: Dict[int, int] = {}  # the stream each device's handle was last bound to
-
-
 def _handle(index: int):
-    """The device's cuDNN handle, bound to the current stream."""
+    """The device's cuDNN handle, bound to the current stream at every call (the handle is shared by every
+    caller on the device, each thread with its own current stream)."""
     try:
         handle = _handles.get(index)
         if handle is None:
@@ -102,10 +100,7 @@ def _handle(index: int):
                     with torch.cuda.device(index):
                         _handles[index] = frontend().create_handle()
                 handle = _handles[index]
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        if _streams.get(index) != stream:
-            frontend().set_stream(handle, stream)
-            _streams[index] = stream
+        frontend().set_stream(handle, torch._C._cuda_getCurrentRawStream(index))
     except Exception as err:  # e.g. a frontend built for another cuDNN: the caller falls back
         raise CudnnFeUnsupported(f"cannot get a cuDNN handle ({str(err).strip()[:200]})") from err
     return handle
