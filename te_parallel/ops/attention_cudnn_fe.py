@@ -266,8 +266,8 @@ def _graph(key: GraphKey, which: str) -> _Builder:
 
 def _execute(bld: _Builder, buffers: dict, cu_q, cu_kv, device, seed=None) -> None:
     """Bind the buffers to the graph's tensors and run on the current stream. Tensors, not their addresses:
-    the frontend reads a tensor natively and describes a bare address in Python, slot by slot (~20% of a
-    small attention call's host time)."""
+    the frontend reads a tensor natively and describes a bare address in Python, slot by slot (up to a
+    fifth of a small attention call's host time)."""
     pack = dict(buffers)
     keep = []  # the small index tensors stay alive until the launch; after it the stream orders their reuse
     if bld.key.ragged:
