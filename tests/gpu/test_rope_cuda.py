@@ -22,14 +22,17 @@ def _max_rel(a, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
-@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
-def test_rope_kernel_vs_fp64(dtype, fmt, rot_frac):
+@pytest.mark.parametrize("rot_frac, offset", [(1.0, 0), (0.5, 0), (1.0, 1), (0.3125, 0)],
+                         ids=["full", "half", "unaligned", "pairs-not-multiple-of-8"])
+def test_rope_kernel_vs_fp64(dtype, fmt, rot_frac, offset):
+    """16-byte runs of pairs where the layout allows (full, half), one pair per thread elsewhere (a view
+    starting one element off, 20 pairs)."""
     torch.manual_seed(0)
     s, b, h, d = 257, 3, 5, 128
     rot = int(d * rot_frac)
     freqs = te.RotaryPositionEmbedding(d, rotary_percent=rot_frac).cuda()(s + 7)  # more positions than used
     qkv = torch.randn(s, b, h, 3 * d, device="cuda", dtype=dtype)
-    q = qkv[..., d: 2 * d]  # a strided view, as the fused QKV projection gives
+    q = qkv[..., d + offset: 2 * d + offset]  # a strided view, as the fused QKV projection gives
     if fmt == "bshd":
         q = q.transpose(0, 1)
     q = q.detach().requires_grad_()
