@@ -241,3 +241,78 @@ def test_band_alignment_follows_te():
     assert make_band("padding", (3, 1)) == Band(True, 3, 1)             # non-causal: bottom-right
     assert make_band("no_mask", None).full
     assert torch.equal(window(S, S, 2, 0) | causal(S, S), te_mask(S, S, "causal", (2, 0)))
+
+
+# -- q, k, v as views of one fused projection output (no GPU needed) --------------------------------
+
+def _qkv_views(s, b, h, d, interleaved):
+    if interleaved:
+        return lambda m: m.view(s, b, h, 3, d).unbind(-2)
+    return lambda m: tuple(t.view(s, b, h, d) for t in m.split(h * d, dim=-1))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_shared_base_finds_a_tiling_split(interleaved):
+    from te_parallel.ops.attention_cudnn_fe import shared_base
+    s, b, h, d = 5, 3, 4, 8
+    root = torch.randn(s * b, 3 * h * d)  # a GEMM's 2-D output, viewed [s, b, 3·h·d]
+    q, k, v = _qkv_views(s, b, h, d, interleaved)(root.view(s, b, -1))
+    assert shared_base(q, k, v) is root
+    assert shared_base(q, q, v) is None                      # the same view twice: k's slots left out
+    assert shared_base(q, k, v[:, :, :2]) is None            # part of the tensor left out
+    assert shared_base(q, k, torch.randn_like(v)) is None    # not views of one tensor
+    shifted = root.view(-1)[1:1 + s * b * h * d].view(s, b, h, d)  # overlapping q
+    assert shared_base(shifted, k, v) is None
+
+
+class _WritesIntoOneTensor(torch.autograd.Function):
+    """out = q + 2k + 3v; the backward writes dq, dk, dv as views of one new tensor shaped like their base
+    (what the cuDNN frontend's dense attention does), or as separate tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, views, shape, tiled):
+        ctx.views, ctx.shape, ctx.tiled = views, shape, tiled
+        return q + 2 * k + 3 * v
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.tiled:
+            return g.clone(), 2 * g, 3 * g, None, None, None
+        base = torch.empty(ctx.shape)
+        parts = ctx.views(base.view(ctx.shape[0] // g.shape[1], g.shape[1], -1))
+        for part, f in zip(parts, (1, 2, 3)):
+            part.copy_(f * g)
+        return (*parts, None, None, None)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_split_views_passes_a_tiled_gradient_on(interleaved, tiled):
+    """split_views' backward returns the attention's one gradient tensor itself when dq, dk, dv are its
+    views (no join), and joins separate gradients otherwise; the gradient is the same either way."""
+    from te_parallel.ops.attention_dispatch import split_views
+    s, b, h, d = 4, 2, 3, 5
+    views = _qkv_views(s, b, h, d, interleaved)
+    joins = []
+
+    def join(dq, dk, dv):
+        joins.append(1)
+        if interleaved:
+            return torch.stack([dq, dk, dv], dim=-2).view(s, b, -1)
+        return torch.cat([t.reshape(s, b, -1) for t in (dq, dk, dv)], dim=-1)
+
+    root = torch.randn(s * b, 3 * h * d, requires_grad=True)
+    mixed = root.view(s, b, -1)
+    seen = []
+    mixed.register_hook(seen.append)
+    q, k, v = split_views(mixed, views, join)
+    out = _WritesIntoOneTensor.apply(q, k, v, views, root.shape, tiled)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    assert joins == ([] if tiled else [1])
+    if tiled:
+        assert seen[0]._base is not None and seen[0]._base.shape == root.shape  # the backward's own tensor
+    want = torch.zeros(s, b, 3 * h * d)
+    for part, f in zip(views(want), (1, 2, 3)):
+        part.copy_(f * dy)
+    assert torch.equal(root.grad.view(s, b, -1), want)
