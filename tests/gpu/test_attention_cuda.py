@@ -426,3 +426,27 @@ def test_mha_thd_bf16_matches_sequences_one_by_one(device):
             ref.append(bshd(x[start:start + n].unsqueeze(0)).squeeze(0))
         start += n
     assert rel_err(out.float(), torch.cat(ref).float()) < 2e-2
+
+
+def test_cudnn_fe_dropout_replays_under_recompute(fe):
+    """te.checkpoint recomputes a bf16 layer whose attention dropout runs on the frontend's graphs: the
+    recomputed forward draws the same seed (the generator is restored), so outputs are equal bit for bit
+    and gradients up to cuDNN's atomic dq accumulation (another mask would move them by far more)."""
+    from te_parallel.parallel.random import CudaRNGStatesTracker, model_parallel_seed
+
+    def run(use_checkpoint):
+        torch.manual_seed(0)
+        tracker = CudaRNGStatesTracker(device="cuda")
+        model_parallel_seed(tracker, 0, tp_rank=0)
+        layer = te.TransformerLayer(256, 512, 4, hidden_dropout=0.0, attention_dropout=0.3, fuse_qkv_params=True,
+                                    params_dtype=torch.bfloat16, device="cuda", get_rng_state_tracker=lambda: tracker)
+        x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = te.checkpoint(layer, x, get_rng_state_tracker=lambda: tracker) if use_checkpoint else layer(x)
+        y.backward(torch.ones_like(y))
+        assert layer.self_attention.core_attention.last_backend == "cudnn_fe"
+        return y.detach(), x.grad, [p.grad for p in layer.parameters()]
+
+    (y, dx, grads), (y2, dx2, grads2) = run(False), run(True)
+    assert torch.equal(y, y2)
+    assert rel_err(dx2.float(), dx.float()) < 2e-2
+    assert all(rel_err(b.float(), a.float()) < 2e-2 for a, b in zip(grads, grads2))
