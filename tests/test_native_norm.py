@@ -69,16 +69,23 @@ def test_cpu_inputs_keep_the_pytorch_path():
     assert "NormFunction" not in str(y.grad_fn.next_functions) and "NormFunction" not in type(y.grad_fn).__name__
 
 
-def test_high_precision_norm_never_asks_the_kernels(monkeypatch):
-    """The rule is fixed: a high-precision norm is torch's even where the kernels could run (they were
-    measured slower); only the FP8 entry points ask native.norm.usable."""
+def test_high_precision_norm_rule(monkeypatch):
+    """A high-precision norm is torch's forward; only where a gradient is wanted and the kernels can run
+    does the backward go to the native kernel (the same forward bits either way)."""
     asked = []
+    x, w, b = torch.randn(3, 8, requires_grad=True), torch.randn(8), torch.randn(8)
+    plain = [norm_ops.layer_norm(x, w, b, 1e-5), norm_ops.rms_norm(x, w, 1e-5)]  # CPU: the kernels cannot run
+    assert all("TorchNormNativeBackward" not in str(y.grad_fn.next_functions) for y in plain)
     monkeypatch.setattr(nn_, "usable", lambda *a: asked.append(a) or True)
-    x, w, b = torch.randn(3, 8, requires_grad=True), torch.ones(8), torch.zeros(8)
-    for y in (norm_ops.layer_norm(x, w, b, 1e-5), norm_ops.rms_norm(x, w, 1e-5),
-              norm_ops.apply_norm("LayerNorm", x, w, b, 1e-5, True)):
-        assert "NormFunction" not in type(y.grad_fn).__name__
+    with torch.no_grad():  # no gradient wanted: not even asked
+        norm_ops.layer_norm(x, w, b, 1e-5), norm_ops.rms_norm(x, w, 1e-5)
+    norm_ops.rms_norm(x.detach(), w, 1e-5)
     assert asked == []
+    hybrid = [norm_ops.layer_norm(x, w, b, 1e-5), norm_ops.rms_norm(x, w, 1e-5)]
+    assert len(asked) == 2
+    for y, want in zip(hybrid, plain):
+        assert "TorchNormNativeBackward" in str(y.grad_fn.next_functions)
+        assert torch.equal(y.detach(), want.detach())
 
 
 @pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
