@@ -300,7 +300,7 @@ _zeros: Dict[int, torch.Tensor] = {}
 
 def _zero(device: torch.device) -> torch.Tensor:
     """The Philox offset cuDNN reads (int64 0): each call has a seed of its own instead."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _zeros:
         _zeros[index] = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=torch.device("cuda", index))
     return _zeros[index]

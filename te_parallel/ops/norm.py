@@ -47,7 +47,7 @@ def layer_norm(x, weight, bias, eps: float, zero_centered_gamma: bool = False) -
 def rms_norm(x, weight, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
     h = x.shape[-1]
     w = _gamma(weight, zero_centered_gamma).to(x.dtype)
-    if _native_backward(x, w, None):
+    if _FUSED_RMS is not None and _native_backward(x, w, None):
         return _TorchNormNativeBackward.apply(_as_rows(x), w, None, eps, "rms_norm").view(x.shape)
     return F.rms_norm(x, (h,), w, eps)
 
@@ -57,7 +57,7 @@ def _native_backward(x, w, b) -> bool:
     torch's on an H100; torch's forward is the faster one for a high-precision output)."""
     return ((x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)) and torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and norm_kernels.usable(x, w, b) and w.is_contiguous()
-            and (b is None or b.is_contiguous()) and _FUSED_RMS is not None)
+            and (b is None or b.is_contiguous()))
 
 
 _FUSED_RMS = getattr(torch.ops.aten, "_fused_rms_norm", None)  # (output, rstd): F.rms_norm's kernel
