@@ -24,6 +24,7 @@ fused QKV output) as long as the head dim is contiguous; the strides are part of
 """
 from __future__ import annotations
 
+import atexit
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,8 +48,19 @@ def frontend():
             import cudnn  # noqa: PLC0415
         except Exception:  # ImportError, OSError from a missing libcudnn, ...
             cudnn = None
+        else:
+            atexit.register(_release)
         _frontend["module"] = cudnn
     return _frontend["module"]
+
+
+def _release() -> None:
+    """Drops the cached graphs and handles at interpreter exit, while the frontend's bindings and CUDA are
+    still up: objects still alive when the bindings are torn down make nanobind print a report of leaked
+    types and functions on every exit of a program that ran attention here."""
+    with _lock:
+        _graphs.clear()
+        _handles.clear()
 
 
 def available() -> bool:
