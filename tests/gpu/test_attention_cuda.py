@@ -5,6 +5,11 @@ Tolerance (flash-attention's rule): a kernel's error against fp64 is within 2x (
 error of the same computation done by PyTorch in the kernel's precision (`attention_reference` on the
 bf16/fp16 inputs: fp32 scores and softmax, bf16/fp16 probabilities times v).
 """
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -230,6 +235,30 @@ def test_mha_gpt_backward_has_no_qkv_join(fe):
     assert rel_err(out.float(), ref.float()) < 1e-2 and rel_err(x.grad.float(), x2.grad.float()) < 1e-2
     for (name, p1), p2 in zip(fe_mha.named_parameters(), sdpa.parameters()):
         assert rel_err(p1.grad.float(), p2.grad.float()) < 1e-2, name
+
+
+def test_cudnn_fe_program_exits_quietly(fe):
+    """A program that ran attention through the frontend (dense and packed graphs cached) exits with status
+    0 and without the bindings' report of objects still alive at teardown ("nanobind: leaked ...")."""
+    script = textwrap.dedent("""
+        import torch, te_parallel as te
+        dense = te.DotProductAttention(4, 64, attn_mask_type="causal", backend="cudnn_fe")
+        q = torch.randn(128, 2, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dense(q, q, q).sum().backward()
+        packed = te.DotProductAttention(4, 64, attn_mask_type="padding_causal", qkv_format="thd",
+                                        backend="cudnn_fe")
+        t = torch.randn(200, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        cu = torch.tensor([0, 0, 1, 73, 200], dtype=torch.int32, device="cuda")
+        packed(t, t, t, cu_seqlens_q=cu, cu_seqlens_kv=cu).sum().backward()
+        torch.cuda.synchronize()
+        print(dense.last_backend, packed.last_backend)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["cudnn_fe", "cudnn_fe"], run.stdout
+    assert "leaked" not in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fmt, groups", [("sbhd", 8), ("bshd", 2)])
