@@ -14,7 +14,7 @@ of issuing the call (Python, autograd bookkeeping, allocator, kernel launches). 
 (as a model's forward does) with the weight cast cached (is_first_microbatch=False after the first call);
 the once-per-region cost (the delayed-scaling update at the region's exit) is its own row. The FP8
 rows run the GEMM in FP8 (the recipes' default); one more row has a recipe whose min_fp8_gemm runs a
-GEMM this small in bf16.
+GEMM this small in bf16, and one ("general path") a Linear whose one-call FP8 forward is switched off.
 --floor times the blocks of an FP8 forward alone (the cast and GEMM calls with everything prepared,
 an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least (JSON:
 <json stem>_floor.json).
@@ -56,6 +56,7 @@ from common import (OTHER_GEMM_LABEL, Parser, report, te_training_step, time_int
                     training_step, with_torch_gemm)
 from te_parallel import native, recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
+from te_parallel.native import torch_ops as native_ops  # noqa: E402
 
 
 SLEEP_CYCLES = int(2e8)  # ~0.1 s of GPU time ahead of the calls
@@ -149,6 +150,9 @@ def floor(m: int, k: int, n: int, a) -> None:
              ("autograd.Function.apply (identity, one input)", function_apply, nothing)]
     if gemm_kernels.usable():
         cases.insert(2, ("te _C.gemm FP8 + bias, output given, no checks", native_gemm, nothing))
+    if native_ops.usable():  # the one-call forward's op: the cast, the GEMM and their four outputs
+        cases.insert(2, ("te te_parallel::linear_fp8_fwd + bias, outputs allocated", lambda: native_ops.linear_fp8_fwd(
+            x, one, amax, e4m3, True, w8, one, bias, True), nothing))
     with torch.no_grad():
         got = measure(cases, a.calls, a.rounds)
     rows = [{"block": name, "host_us": med, "min_us": low} for name, (med, low) in got.items()]
@@ -296,8 +300,15 @@ def linear_mode(a) -> None:
     def fp8_region(rec):
         return lambda: te.fp8_autocast(fp8_recipe=rec)
 
+    # the same layer with its one-call FP8 forward switched off: the general path (Linear._fp8_one_call)
+    general = te.Linear(k, n, device="cuda", params_dtype=dt)
+    general._fp8_one_call = lambda *args: None
+
     def te_call():
         lin(x, is_first_microbatch=False)
+
+    def general_call():
+        general(x, is_first_microbatch=False)
 
     nothing = contextlib.nullcontext
     rows = []
@@ -307,6 +318,7 @@ def linear_mode(a) -> None:
                  ("te bf16", te_call, nothing),
                  ("te FP8 delayed", te_call, fp8_region(delayed)),
                  ("te FP8 current", te_call, fp8_region(current)),
+                 ("te FP8 delayed, general path", general_call, fp8_region(delayed)),
                  ("te FP8 delayed, bf16 GEMM below min_fp8_gemm", te_call, fp8_region(fallback))]
         if gemm_kernels.usable():
             cases += [(f"te FP8 delayed, {OTHER_GEMM_LABEL}", te_call, fp8_region(with_torch_gemm(delayed))),

@@ -1,10 +1,13 @@
 """te.Linear: y = x·Wᵀ + b with FP8 GEMMs inside `fp8_autocast`."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 
+from te_parallel.fp8 import autocast as _autocast
+from te_parallel.fp8.params import Float8Weight
 from te_parallel.module.base import (
     GemmModule,
     activation_dtype,
@@ -20,7 +23,9 @@ from te_parallel.module.base import (
     torch_linear,
 )
 from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
-from te_parallel.ops.linear import SINGLE
+from te_parallel.native import torch_ops as native_ops
+from te_parallel.ops.fp8_gemm_config import GemmFP8
+from te_parallel.ops.linear import SINGLE, OneCallFP8Linear
 from te_parallel.parallel.collectives import all_reduce_grad
 
 
@@ -100,10 +105,14 @@ class Linear(GemmModule):
         return gemm_layouts(self, [(self._params, self.parallel_mode)])
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        frame = self._fp8_frame()
+        if frame is not None and type(inp) is torch.Tensor and inp.is_cuda:
+            out = self._fp8_one_call(inp, frame, is_first_microbatch)
+            if out is not None:
+                return out
         check_input("Linear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
         inp = inp if inp.dtype == dtype else inp.to(dtype)
-        frame = self._fp8_frame()
         if self.tp_size == 1 and self.ub is None and not self.fuse_wgrad_accumulation and (
                 frame is None or below_fp8_size(frame, inp.is_cuda, inp.numel() // self.in_features,
                                                 self.in_features, self.out_features, SINGLE)):
@@ -122,6 +131,40 @@ class Linear(GemmModule):
         if par.gathers_grad and self.allreduce_sp_grads:  # the caller adds it to its M/tp tokens: sum the grad
             bias = all_reduce_grad(bias, par.group)
         return out, None if bias is None else bias.to(dtype)
+
+    def _fp8_one_call(self, inp: torch.Tensor, frame, is_first_microbatch) -> Optional[torch.Tensor]:
+        """The FP8 forward in one native call (ops.linear.OneCallFP8Linear) where that is the whole job: one
+        rank, no comm-GEMM overlap, fused wgrad, returned bias, size threshold, checkpoint replay, torch.autocast
+        or tracing; a recipe on the native GEMM; a high-precision weight; an input of the weight's dtype that
+        the op takes (contiguous, M, K, N multiples of 16). The same casts, scales, amax records and saved
+        operands as the general path (_linear_forward), at a fraction of its host time (docs/benchmarks.md,
+        "Host time"). None where the case is another (the general path runs it)."""
+        recipe, params = frame.recipe, self._params
+        if (not frame.enabled or recipe.min_fp8_gemm or self.tp_size != 1 or self.ub is not None
+                or self.fuse_wgrad_accumulation or self.return_bias or not self._tp_checked
+                or len(params.weight_names) != 1 or recipe.fp8_gemm_fprop.backend != "native"
+                or _autocast.checkpoint_stash() is not None or torch.compiler.is_compiling()
+                or torch.is_autocast_enabled("cuda")):
+            return None
+        weight = self._parameters[params.weight_names[0]]
+        bias = self._parameters[params.bias_names[0]] if params.bias_names else None
+        dtype, k, n = inp.dtype, self.in_features, self.out_features
+        if (inp.dtype is not weight.dtype or isinstance(weight, Float8Weight) or inp.dim() < 2
+                or inp.shape[-1] != k or not inp.is_contiguous() or inp.numel() == 0 or ((inp.numel() // k) | k | n) & 15
+                or not (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32)
+                or not (bias is None or (bias.dtype is dtype and dtype is not torch.float32))  # cuBLASLt's epilogue
+                or not native_ops.usable()):
+            return None
+        state = self._modules["fp8_state"]
+        group = frame.group if frame.group is not None else self.tp_group
+        done = None
+        if recipe.delayed():  # as _gemm_fp8: the forward's amaxes are reduced at the region's exit
+            done = functools.partial(_autocast.record_backward, state, recipe, group)
+            state.ensure_history_len(recipe.amax_history_len)
+            _autocast.record_forward(state, recipe, group)
+        cfg = GemmFP8(recipe, state, 0, None, True, group, backward_done=done)
+        cfg.weight = self._cached_weight(cfg, [weight], weight, is_first_microbatch, None)
+        return OneCallFP8Linear.apply(inp, weight, bias, (cfg, None, SINGLE, torch.is_grad_enabled()))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "

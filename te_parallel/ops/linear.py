@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.native import torch_ops as native_ops
 from te_parallel.ops import gemm
 from te_parallel.ops import linear_overlap as ov
 from te_parallel.ops.fp8_gemm_config import WeightSource
@@ -307,6 +308,33 @@ class LinearFunction(torch.autograd.Function):
             ctx.s = None  # x and W as saved: free them now, not when the whole graph is released
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
         return dx, dw, dbias, None, None
+
+
+class OneCallFP8Linear(torch.autograd.Function):
+    """The forward of the plainest FP8 linear, one rank's y = x·Wᵀ (+ b) with x cast in the same native call
+    (te_parallel::linear_fp8_fwd), for the host time of small layers; its backward is LinearFunction's.
+    It saves what linear_fwd saves for this case. The caller (module.linear.Linear) has checked that the
+    case is this one: no TP, no fused wgrad, a cast FP8 weight, an input the op takes."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, plan):
+        fp8, grad = plan[0], plan[3]
+        need_wgrad = grad and weight.requires_grad
+        x2d = inp if inp.dim() == 2 else inp.view(-1, inp.shape[-1])
+        scale, amax = fp8.input_scale() if fp8.delayed else (None, None)
+        w = fp8.weight
+        y, data, data_t, scale_inv = native_ops.linear_fp8_fwd(
+            x2d, scale, amax, fp8.recipe.fp8_format.fwd_dtype, need_wgrad, w.data, w.scale_inv, bias,
+            not fp8.recipe.fp8_gemm_fprop.use_split_accumulator)
+        s = LinearSaved()
+        s.fp8, s.targets, s.par, s.act_dtype, s.regather = fp8, None, SINGLE, inp.dtype, False
+        s.has_bias, s.weight_dtype = bias is not None, weight.dtype
+        s.w_saved = fp8.weight_for_backward() if grad else w
+        s.x_saved = Float8Tensor(data_t.t(), scale_inv, data_t) if need_wgrad else None  # xᵀ only
+        ctx.s, ctx.inp_shape = s, inp.shape
+        return y if inp.dim() == 2 else y.view(*inp.shape[:-1], y.shape[1])
+
+    backward = staticmethod(LinearFunction.backward)
 
 
 def keep_graph() -> bool:

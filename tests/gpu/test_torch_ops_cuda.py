@@ -105,6 +105,7 @@ def test_linear_takes_fused_op_bit_identical(ops, recipe, bias, monkeypatch):
         monkeypatch.setattr(torch_ops, "linear_fp8_fwd", spy)
         if not fused:
             monkeypatch.setattr(torch_ops, "linear_usable", lambda *a: False)
+            monkeypatch.setattr(te.Linear, "_fp8_one_call", lambda *a: None)
         torch.manual_seed(1)
         outs = []
         for _ in range(3):
@@ -120,6 +121,78 @@ def test_linear_takes_fused_op_bit_identical(ops, recipe, bias, monkeypatch):
     assert len(calls) == 3
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("case", ["bias_2d", "nobias_3d", "microbatch", "fp16", "frozen_weight"])
+def test_linear_one_call_bit_identical(ops, recipe, case, monkeypatch):
+    """te.Linear's one-call FP8 forward (Linear._fp8_one_call: one rank, the fused op, none of the general
+    path's plumbing) gives the bytes of the general path: outputs, input/weight/bias gradients, the FP8
+    scaling state and the weight cache over three steps, then a no_grad forward. With TE's micro-batch flag
+    the weight is cast on the first step and reused after; with a frozen weight it is cast once and kept."""
+    dtype = torch.float16 if case == "fp16" else torch.bfloat16
+    bias = case != "nobias_3d"
+    shape = (32, 4, 256) if case == "nobias_3d" else (128, 256)
+    flags = [True, False, False] if case == "microbatch" else [None] * 3
+    torch.manual_seed(0)
+    mods = [te.Linear(256, 512, bias=bias, params_dtype=dtype) for _ in range(2)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    if case == "frozen_weight":
+        for m in mods:
+            m.weight.requires_grad_(False)
+    original = te.Linear._fp8_one_call
+    taken = []
+
+    def spy(self, *args):
+        out = original(self, *args)
+        taken.append(out is not None)
+        return out
+
+    results = []
+    for one_call, m in zip((True, False), mods):
+        monkeypatch.setattr(te.Linear, "_fp8_one_call", spy if one_call else (lambda *a: None))
+        torch.manual_seed(1)
+        outs = []
+        for flag in flags:
+            x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+            with te.fp8_autocast(fp8_recipe=recipe):
+                y = m(x, is_first_microbatch=flag)
+            y.backward(torch.randn_like(y))
+            outs += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters() if p.requires_grad]
+            m.zero_grad(set_to_none=True)
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe):
+            outs.append(m(torch.randn(*shape, device="cuda", dtype=dtype)))
+        outs += [b.clone() for b in m.fp8_state.buffers()]
+        outs += [q.data.view(torch.uint8) for _, q in m._weight_cache.values()]
+        results.append(outs)
+        monkeypatch.undo()
+    # the first forward checks the module (general path); every later one takes the one call
+    assert taken == [False, True, True, True], taken
+    assert len(results[0]) == len(results[1])
+    for a, b in zip(*results):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_linear_one_call_leaves_other_cases(ops, monkeypatch):
+    """The cases the one call does not take run the general path, unchanged: tokens not a multiple of 16,
+    an input of another dtype than the weight, a returned bias, a recipe below its FP8 size threshold."""
+    lin = te.Linear(256, 256, params_dtype=torch.bfloat16)
+    ref = te.Linear(256, 256, params_dtype=torch.bfloat16, return_bias=True)
+    original, taken = te.Linear._fp8_one_call, []
+    monkeypatch.setattr(te.Linear, "_fp8_one_call", lambda self, *a: taken.append(original(self, *a)) or taken[-1])
+    rec = R.DelayedScaling()
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    with te.fp8_autocast(fp8_recipe=rec):
+        lin(x), ref(x)  # first calls: the module checks
+        taken.clear()
+        assert lin(x[:24]).shape == (24, 256)
+        assert lin(x.float()).dtype == torch.bfloat16
+        assert ref(x)[0].shape == (32, 256)
+    with te.fp8_autocast(fp8_recipe=R.DelayedScaling(min_fp8_gemm=10**12)):
+        lin(x)
+    assert taken == [None] * 4
+    with te.fp8_autocast(fp8_recipe=rec):
+        assert lin(x) is not None and taken[-1] is not None
 
 
 def test_ops_capture_in_cuda_graph(ops):
