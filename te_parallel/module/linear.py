@@ -106,7 +106,7 @@ class Linear(GemmModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         frame = self._fp8_frame()
-        if frame is not None and type(inp) is torch.Tensor and inp.is_cuda:
+        if frame is not None and type(inp) is torch.Tensor and inp.is_cuda and not torch.compiler.is_compiling():
             out = self._fp8_one_call(inp, frame, is_first_microbatch)
             if out is not None:
                 return out
@@ -143,8 +143,7 @@ class Linear(GemmModule):
         if (not frame.enabled or recipe.min_fp8_gemm or self.tp_size != 1 or self.ub is not None
                 or self.fuse_wgrad_accumulation or self.return_bias or not self._tp_checked
                 or len(params.weight_names) != 1 or recipe.fp8_gemm_fprop.backend != "native"
-                or _autocast.checkpoint_stash() is not None or torch.compiler.is_compiling()
-                or torch.is_autocast_enabled("cuda")):
+                or _autocast.checkpoint_stash() is not None or torch.is_autocast_enabled("cuda")):
             return None
         weight = self._parameters[params.weight_names[0]]
         bias = self._parameters[params.bias_names[0]] if params.bias_names else None
