@@ -22,7 +22,7 @@ from te_parallel.module.params import LinearParams, cat_params
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.fp8_weight import weight_operand
-from te_parallel.ops.linear import LinearFunction, LinearParallel
+from te_parallel.ops.linear import LinearFunction, LinearParallel, residual_in_gemm
 from te_parallel.ops.norm import apply_norm, check_normalization, fp8_norm_fused, norm_fp8
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
@@ -88,6 +88,25 @@ def check_input(name: str, inp: torch.Tensor, features: int) -> None:
         raise TypeError(f"{name}: input must be float32, bfloat16, float16 or float64, got {inp.dtype}")
     if inp.dim() < 1 or inp.shape[-1] != features:
         raise ValueError(f"{name}: input's last dim must be {features}, got shape {tuple(inp.shape)}")
+
+
+def check_residual(name: str, residual: object, shape: Optional[Sequence[int]], dtype: torch.dtype) -> None:
+    """`residual=` of a module's forward (te_parallel's addition: out + residual): a tensor in the output's dtype,
+    of the output's shape where that is known before the forward (`shape`; else add_residual checks it)."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{name}: residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    if residual.dtype != dtype:
+        raise TypeError(f"{name}: residual must have the output's dtype {dtype}, got {residual.dtype}")
+    if shape is not None and tuple(residual.shape) != tuple(shape):
+        raise ValueError(f"{name}: residual must have the output's shape {tuple(shape)}, got {tuple(residual.shape)}")
+
+
+def add_residual(name: str, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """out + residual where the GEMM did not add it in its epilogue (same shape: no broadcasting)."""
+    if residual.shape != out.shape:
+        raise ValueError(f"{name}: residual must have the output's shape {tuple(out.shape)}, got "
+                         f"{tuple(residual.shape)}")
+    return out + residual
 
 
 class FP8Module(nn.Module):
@@ -295,17 +314,26 @@ class GemmModule(FP8Module, TensorParallelMixin):
         return weight, bias, (fp8, targets, par, torch.is_grad_enabled())
 
     def _linear_forward(self, params: LinearParams, gemm: int, inp: torch.Tensor, is_first_microbatch, frame,
-                        add_bias: bool = True, par: LinearParallel = LinearParallel()):
-        """Run GEMM number `gemm` on `inp`; returns (out, bias-or-None)."""
+                        add_bias: bool = True, par: LinearParallel = LinearParallel(),
+                        residual: Optional[torch.Tensor] = None):
+        """Run GEMM number `gemm` on `inp` (+ residual); returns (out, bias-or-None)."""
         weight, bias, plan = self._gemm_plan(params, gemm, inp, is_first_microbatch, frame, par)
-        return run_linear(inp, weight, bias, plan, add_bias), bias
+        return run_linear(inp, weight, bias, plan, add_bias, residual, type(self).__name__), bias
 
 
-def run_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan, add_bias: bool = True):
-    """out = inp·Wᵀ (+ bias when add_bias) by a GEMM plan of GemmModule._gemm_plan."""
+def run_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan, add_bias: bool = True,
+               residual: Optional[torch.Tensor] = None, owner: str = "Linear"):
+    """out = inp·Wᵀ (+ bias when add_bias) (+ residual: in the FP8 GEMM's epilogue where residual_in_gemm
+    holds, else added after) by a GEMM plan of GemmModule._gemm_plan."""
+    bias = bias if add_bias else None
+    if residual is not None and residual_in_gemm(plan, residual, inp.dtype):
+        check_residual(owner, residual, (*inp.shape[:-1], weight.shape[0]), inp.dtype)  # (one rank: out's shape)
+        return LinearFunction.apply(inp, weight, bias, plan, None, residual)
     if plan[0] is None and plan[1] is None and not plan[2].active:
-        return torch_linear(inp, weight, bias, add_bias)
-    return LinearFunction.apply(inp, weight, bias if add_bias else None, plan)
+        out = torch_linear(inp, weight, bias, True)
+    else:
+        out = LinearFunction.apply(inp, weight, bias, plan)
+    return out if residual is None else add_residual(owner, out, residual)
 
 
 def check_parallel_mode(owner: str, parallel_mode) -> None:

@@ -8,12 +8,12 @@ import torch
 from te_parallel.fp8 import recompute
 from te_parallel.module.base import (GemmModule, activation_dtype, add_norm_params, check_features, check_input,
                                      mark_sequence_parallel, norm_forward, norm_to_fp8, overlap_settings, pack_outputs,
-                                     resolve_device, resolve_dtype)
+                                     resolve_device, resolve_dtype, add_residual, check_residual)
 from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 from te_parallel.parallel.groups import check_divisible
 from te_parallel.ops.activation import apply_activation, check_activation, is_gated
-from te_parallel.ops.linear import LinearFunction
+from te_parallel.ops.linear import LinearFunction, residual_in_gemm
 from te_parallel.ops.mlp import DEFAULT_BWD_CHUNK_BYTES, FusedMLPFunction, can_fuse
 
 
@@ -32,6 +32,8 @@ class LayerNormMLP(GemmModule):
     forward there (te.checkpoint: bit-identical, FP8 scales and quantized weights replayed), so fc1's
     output and the activation are not held from forward to backward.
     forward(inp, is_first_microbatch=None) -> out[, fc2 bias if return_bias][, ln_out if return_layernorm_output].
+    forward(..., residual=t) (te_parallel's addition) returns out + t, t of out's shape and dtype: in fc2's
+    FP8 epilogue on one rank (te_parallel.ops.linear.residual_in_gemm), else added after fc2.
     """
 
     def __init__(
@@ -117,12 +119,13 @@ class LayerNormMLP(GemmModule):
         """Where this rank's parameters sit in the full (TP=1) ones: fc1 column (gated: two pieces), fc2 row."""
         return gemm_layouts(self, self._param_parts())
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
+                residual: Optional[torch.Tensor] = None):
         if self.checkpoint and torch.is_grad_enabled():
-            return recompute.checkpoint(self._forward, inp, is_first_microbatch)
-        return self._forward(inp, is_first_microbatch)
+            return recompute.checkpoint(self._forward, inp, is_first_microbatch, residual)
+        return self._forward(inp, is_first_microbatch, residual)
 
-    def _forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool]):
+    def _forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool], residual: Optional[torch.Tensor]):
         check_input("LayerNormMLP", inp, self.hidden_size)
         dtype = activation_dtype(self.param_dtype, inp.device)
         frame = self._fp8_frame()
@@ -136,16 +139,19 @@ class LayerNormMLP(GemmModule):
         w2, fc2_bias, plan2 = self._gemm_plan(self._fc2, 1, x, is_first_microbatch, frame, fc2_par,
                                               in_tokens=tokens)
         b2 = None if self.return_bias else fc2_bias
+        if residual is not None:  # (out has inp's shape: fc2's reduce-scatter undoes fc1's gather)
+            check_residual("LayerNormMLP", residual, x.shape, dtype)
+        acc = residual if residual_in_gemm(plan2, residual, dtype) else None  # (else added after fc2)
         fused = norm_to_fp8(self, x, w1, plan1)
         mlp_plan = (self.activation, plan1, plan2, self.bwd_chunk_bytes)
         fuse = can_fuse(self.activation, x)
         if fused is not None and fuse:  # the norm writes fc1's FP8 input: no high-precision ln_out
             carrier, x_q = fused
-            out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q)
+            out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q, acc)
             out, ln_out = out.view(*x.shape[:-1], out.shape[-1]), None
         elif fuse:  # one Function: FP8 activation casts, chunked backward
             ln_out = norm_forward(self, x)
-            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, mlp_plan)
+            out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, mlp_plan, None, acc)
         else:  # (under torch.compile without the activation kernels) fc1, the activation and fc2 apart
             if fused is not None:  # ([tokens, hidden] carrier: 2-D outputs)
                 carrier, x_q = fused
@@ -153,8 +159,11 @@ class LayerNormMLP(GemmModule):
             else:
                 ln_out = norm_forward(self, x)
                 fc1_out = LinearFunction.apply(ln_out, w1, b1, plan1)
-            out = LinearFunction.apply(apply_activation(self.activation, fc1_out), w2, b2, plan2)
+            act = apply_activation(self.activation, fc1_out)
+            out = LinearFunction.apply(act, w2, b2, plan2, None, acc)
             out = out.view(*x.shape[:-1], out.shape[-1])
+        if residual is not None and acc is None:
+            out = add_residual("LayerNormMLP", out, residual)
         fc2_bias = None if fc2_bias is None else fc2_bias.to(dtype)
         if self.return_bias and fc2_par.gathers_grad and self.allreduce_sp_grads:
             fc2_bias = all_reduce_grad(fc2_bias, self.tp_group)

@@ -10,10 +10,12 @@ from te_parallel.fp8.params import Float8Weight
 from te_parallel.module.base import (
     GemmModule,
     activation_dtype,
+    add_residual,
     below_fp8_size,
     check_features,
     check_input,
     check_parallel_mode,
+    check_residual,
     local_features,
     mark_sequence_parallel,
     overlap_settings,
@@ -36,6 +38,9 @@ class Linear(GemmModule):
     `in_features` / `out_features` attributes hold the local sizes, as in TE.
     forward(inp, is_first_microbatch=None) -> out, or (out, bias) with return_bias=True (the bias
     is then not added, so it can be fused downstream; for row-parallel it is the full bias).
+    forward(..., residual=t) (te_parallel's addition) returns out + t, t of out's shape and dtype: in the FP8
+    GEMM's epilogue on one rank (te_parallel.ops.linear.residual_in_gemm), else added after the GEMM (and
+    after its TP reduction).
     allreduce_sp_grads (te_parallel's addition, default True): under sequence parallelism the caller adds
     a row-parallel bias returned by return_bias=True to its 1/tp of the tokens, so its gradient is partial;
     True sums it over the TP group here, False leaves that to the caller, as TE does (the bias carries
@@ -102,15 +107,19 @@ class Linear(GemmModule):
         """Where this rank's weight and bias sit in the full (TP=1) ones (te_parallel.parallel.sharding)."""
         return gemm_layouts(self, [(self._params, self.parallel_mode)])
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
+                residual: Optional[torch.Tensor] = None):
         frame = self._fp8_frame()
-        if frame is not None and type(inp) is torch.Tensor and inp.is_cuda and not torch.compiler.is_compiling():
+        if (frame is not None and residual is None and type(inp) is torch.Tensor and inp.is_cuda
+                and not torch.compiler.is_compiling()):
             out = self._fp8_one_call(inp, frame, is_first_microbatch)
             if out is not None:
                 return out
         check_input("Linear", inp, self.in_features)
         dtype = activation_dtype(self.param_dtype, inp.device)
         inp = inp if inp.dtype == dtype else inp.to(dtype)
+        if residual is not None:
+            check_residual("Linear", residual, None, dtype)
         if self.tp_size == 1 and self.ub is None and not self.fuse_wgrad_accumulation and (
                 frame is None or below_fp8_size(frame, inp.is_cuda, inp.numel() // self.in_features,
                                                 self.in_features, self.out_features, SINGLE)):
@@ -120,10 +129,12 @@ class Linear(GemmModule):
             params = self._params
             bias = params.bias(self)
             out = torch_linear(inp, params.weight(self), bias, not self.return_bias)
+            if residual is not None:
+                out = add_residual("Linear", out, residual)
             return (out, None if bias is None else bias.to(dtype)) if self.return_bias else out
         par = self._linear_parallel(self.parallel_mode, inp, self.ub)
         out, bias = self._linear_forward(self._params, 0, inp, is_first_microbatch, frame,
-                                         add_bias=not self.return_bias, par=par)
+                                         add_bias=not self.return_bias, par=par, residual=residual)
         if not self.return_bias:
             return out
         if par.gathers_grad and self.allreduce_sp_grads:  # the caller adds it to its M/tp tokens: sum the grad

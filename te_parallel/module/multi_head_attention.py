@@ -37,6 +37,8 @@ class MultiheadAttention(nn.Module):
     cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, ...) -> out[, bias][, ln_out].
     With qkv_format="thd", hidden_states is [total_tokens, hidden] and the cu_seqlens say where each
     packed sequence starts (RoPE then counts positions from each sequence's start).
+    forward(..., residual=t) (te_parallel's addition) returns out + t, t of out's shape and dtype: the
+    projection adds it (te.Linear's `residual`: in its FP8 epilogue on one rank).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
@@ -174,7 +176,7 @@ class MultiheadAttention(nn.Module):
                 core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
                 cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, fast_zero_fill: bool = True,
-                pad_between_seqs: Optional[bool] = None):
+                pad_between_seqs: Optional[bool] = None, *, residual: Optional[torch.Tensor] = None):
         self._check_input(hidden_states, "hidden_states")
         if encoder_output is not None:
             self._check_input(encoder_output, "encoder_output")
@@ -216,6 +218,9 @@ class MultiheadAttention(nn.Module):
             cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, core_attention_bias_type=core_attention_bias_type,
             core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes)
-        out = self.proj(context, is_first_microbatch=is_first_microbatch)  # bias in the GEMM unless returned
+        if residual is None:  # bias in the GEMM unless returned
+            out = self.proj(context, is_first_microbatch=is_first_microbatch)
+        else:
+            out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual)
         out, bias = out if self.return_bias else (out, None)
         return pack_outputs(out, bias, ln_out, self.return_bias, self.input_layernorm and self.return_layernorm_output)

@@ -148,8 +148,13 @@ class TransformerLayer(nn.Module):
         return x if x.dtype == dtype else x.to(dtype)
 
     def _block(self, module, x, **kw):
+        post_ln = self.residual_post_ln and not (module is self.self_attention and self.output_layernorm)
+        if not post_ln and not (self.training and (self.hidden_dropout > 0 or self.drop_path.p > 0)):
+            # x + out with nothing between: the module adds x itself, in its output GEMM's epilogue where that
+            # GEMM runs in FP8 on one rank (te.Linear's `residual`: one rounding, no pass of its own)
+            return module(x, residual=x, **kw)
         outputs = module(x, **kw)
-        if self.residual_post_ln and not (module is self.self_attention and self.output_layernorm):
+        if post_ln:
             out, residual = outputs
         else:
             out, residual = outputs, x

@@ -102,7 +102,7 @@ class _BiasActivationFunction(torch.autograd.Function):
 # FP8 entry points (for fusing the activation into fc2's FP8 Linear; they fall back to PyTorch)
 
 def _float8(data: torch.Tensor, data_t: Optional[torch.Tensor], scale: torch.Tensor) -> Float8Tensor:
-    return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t)
+    return Float8Tensor(data=data, scale_inv=torch.reciprocal(scale), data_t=data_t)
 
 
 def bias_activation_fp8(name: str, x: torch.Tensor, bias: Optional[torch.Tensor], scale: torch.Tensor,

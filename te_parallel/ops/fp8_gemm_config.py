@@ -112,7 +112,7 @@ class GemmFP8:
     def dactivation_fp8(self, data: torch.Tensor) -> Float8Tensor:
         """The Float8Tensor of FP8 bytes written by cast_dactivation_rows (scale_inv = 1 / its scale)."""
         scale = self._delayed_scale(self._slot(True), True)[0]
-        return Float8Tensor(data, 1.0 / scale.detach().reshape(()))
+        return Float8Tensor(data, torch.reciprocal(scale.detach().reshape(())))
 
     def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
         """The weight W [N, K] (a shard under TP), with a snapshot of its scale; its transpose is made

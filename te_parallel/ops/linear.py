@@ -123,9 +123,9 @@ def _mm(fp8, which: str):
     return gemm.EXACT if fp8 is None else getattr(fp8.recipe, which)
 
 
-def _fprop(x, w, bias, out_dtype, fp8=None):
+def _fprop(x, w, bias, out_dtype, fp8=None, accumulate=None):
     if isinstance(x, Float8Tensor):
-        return gemm.fprop(x, w, out_dtype, bias, mm=_mm(fp8, "fp8_gemm_fprop"))
+        return gemm.fprop(x, w, out_dtype, bias, accumulate=accumulate, mm=_mm(fp8, "fp8_gemm_fprop"))
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     return torch.nn.functional.linear(x, w, bias)
@@ -163,13 +163,25 @@ def _copy_saved(s: LinearSaved) -> LinearSaved:
     return copy
 
 
+def residual_in_gemm(plan, residual: Optional[torch.Tensor], act_dtype: torch.dtype) -> bool:
+    """True where a residual added to this GEMM's output goes into the GEMM's epilogue (linear_fwd's
+    `accumulate`: D = A·B + C, one rounding, no separate add): an FP8 GEMM on one rank, whose output is not
+    reduced across ranks, and a contiguous residual in the output's dtype. Elsewhere the caller adds it."""
+    fp8, par = plan[0], plan[2]
+    return (residual is not None and fp8 is not None and fp8.compute and not par.active
+            and residual.dtype == act_dtype and residual.is_contiguous())
+
+
 def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor], plan,
-               act_dtype: torch.dtype, x_q: Optional[Float8Tensor] = None):
-    """y2d = x2d·Wᵀ + b on this rank (the collectives of `par` included); returns (y2d, LinearSaved).
+               act_dtype: torch.dtype, x_q: Optional[Float8Tensor] = None,
+               accumulate: Optional[torch.Tensor] = None):
+    """y2d = x2d·Wᵀ + b (+ accumulate) on this rank (the collectives of `par` included); returns (y2d,
+    LinearSaved).
 
     plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode). x_q: the input already cast to
     FP8 with this GEMM's input scale (e.g. by the activation kernel before fc2; with its transpose when
     wgrad will need it), used instead of casting x2d (then None). Not with an input to gather.
+    accumulate: [M, N] added in the GEMM's epilogue, only where residual_in_gemm(plan, ...) holds.
     """
     fp8, wgrad_targets, par, grad = plan
     out_features, in_features = weight.shape
@@ -179,13 +191,16 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
     regather = gathers and (par.fp8_gather or fp8 is None or not fp8.compute or overlap)
     fused = None
-    if x_q is None and fp8 is not None and fp8.compute and not (gathers or overlap or row) and (
-            fp8.delayed or not par.active):
+    if x_q is None and accumulate is None and fp8 is not None and fp8.compute and not (gathers or overlap or row) \
+            and (fp8.delayed or not par.active):
         # one rank's cast + GEMM in one native call (the host path of small layers); None where it cannot
         fused = fp8.fused_fprop(x2d, bias, transpose=need_wgrad)
     if fused is not None:
         y2d, x_local = fused
         w_used = fp8.weight
+    elif accumulate is not None:  # (one rank, FP8: residual_in_gemm)
+        x_local, w_used = _fprop_operands(x2d, weight, fp8, par, act_dtype, x_q, need_wgrad, regather)
+        y2d = _fprop(x_local, w_used, bias, act_dtype, fp8, accumulate)
     else:
         x_local, w_used = _fprop_operands(x2d, weight, fp8, par, act_dtype, x_q, need_wgrad, regather)
         y2d = _fprop_on_ranks(x_local, w_used, bias, fp8, par, act_dtype, out_features, row, regather)
@@ -282,14 +297,17 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
 
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, plan, x_q=None):
+    def forward(ctx, inp, weight, bias, plan, x_q=None, residual=None):
         # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
         # apply() walks every argument on each call (host time of small layers). x_q: inp already cast
-        # (linear_fwd's x_q); inp then only carries its gradient.
+        # (linear_fwd's x_q); inp then only carries its gradient. residual: added in the GEMM's epilogue
+        # (the output's shape; only where residual_in_gemm holds); its gradient is the output's.
         out_features, in_features = weight.shape
         flat = inp.dim() == 2  # (no reshape views of a 2-D input and output: host time of small layers)
+        acc = None if residual is None else residual.view(-1, out_features)
+        ctx.res_shape = None if residual is None else residual.shape
         y2d, ctx.s = linear_fwd(inp if flat else inp.reshape(-1, in_features), weight, bias, plan,
-                                inp.dtype, x_q)  # x [M or M/tp, K]
+                                inp.dtype, x_q, acc)  # x [M or M/tp, K]
         ctx.inp_shape = inp.shape
         if flat:
             return y2d
@@ -307,7 +325,9 @@ class LinearFunction(torch.autograd.Function):
         if not keep_graph():
             ctx.s = None  # x and W as saved: free them now, not when the whole graph is released
         dx = None if dx2d is None else dx2d.reshape(ctx.inp_shape)
-        return dx, dw, dbias, None, None
+        needs = ctx.needs_input_grad  # (as many as apply() was given: the residual is the sixth)
+        dres = grad_out.reshape(ctx.res_shape) if len(needs) > 5 and needs[5] else None
+        return dx, dw, dbias, None, None, dres
 
 
 class OneCallFP8Linear(torch.autograd.Function):

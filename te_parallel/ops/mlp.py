@@ -113,28 +113,31 @@ def _dact_into(name: str, da: torch.Tensor, h: torch.Tensor, out: torch.Tensor) 
 
 
 class FusedMLPFunction(torch.autograd.Function):
-    """y = fc2(act(fc1(x))) (see the module doc); inputs as LinearFunction's."""
+    """y = fc2(act(fc1(x))) (+ residual) (see the module doc); inputs as LinearFunction's."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, plan, x_q=None):
+    def forward(ctx, x, w1, b1, w2, b2, plan, x_q=None, residual=None):
         # plan: (activation name, fc1 plan, fc2 plan, backward chunk bytes); a GEMM plan is
         # LinearFunction's (GemmFP8, wgrad targets, LinearParallel, grad mode). x_q: x already cast as
-        # fc1's input (LinearFunction's x_q).
+        # fc1's input (LinearFunction's x_q). residual: y's shape, added in fc2's epilogue (only where
+        # linear.residual_in_gemm holds for fc2); its gradient is y's.
         name, plan1, plan2, ctx.chunk_bytes = plan
         fp8_1, fp8_2, grad = plan1[0], plan2[0], plan2[3]
         dtype = x.dtype
+        acc = None if residual is None else residual.view(-1, w2.shape[0])
+        ctx.res_shape = None if residual is None else residual.shape
         h, s1 = linear_fwd(x.reshape(-1, w1.shape[1]), w1, b1, plan1, dtype, x_q)  # [M, fc1 out]
         ctx.fp8_act = fp8_activation(fp8_1, fp8_2)
         if ctx.fp8_act:
             need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
             a8 = fp8_2.cast_activation(name, h, transpose=need_wgrad2)  # fc2's input (+ its transpose)
-            y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
+            y, s2 = linear_fwd(None, w2, b2, plan2, dtype, a8, acc)
         elif _two_pass_fp8(name, h, fp8_2, plan2[2]):  # current scaling: amax pass, then the FP8 pass
             need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
             a8 = fp8_2.cast_activation_current(name, h, transpose=need_wgrad2, amax_group=plan2[2].amax_group)
-            y, s2 = linear_fwd(None, w2, b2, plan2, dtype, x_q=a8)
+            y, s2 = linear_fwd(None, w2, b2, plan2, dtype, a8, acc)
         else:
-            y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype)
+            y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype, None, acc)
         ctx.s1, ctx.s2, ctx.name, ctx.fp8_1, ctx.x_shape, ctx.fc2_in = s1, s2, name, fp8_1, x.shape, w2.shape[1]
         ctx.h = h if grad else None
         return y.reshape(-1, *x.shape[1:-1], w2.shape[0])
@@ -183,7 +186,9 @@ class FusedMLPFunction(torch.autograd.Function):
         if free:
             ctx.s1 = None
         dx = None if dx is None else dx.reshape(ctx.x_shape)
-        return dx, dw1, db1, dw2, db2, None, None
+        needs = ctx.needs_input_grad  # (the residual is the eighth input, where apply() was given one)
+        dres = grad_out.reshape(ctx.res_shape) if len(needs) > 7 and needs[7] else None
+        return dx, dw1, db1, dw2, db2, None, None, dres
 
 
 class _ActivationGradRows:

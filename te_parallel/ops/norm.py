@@ -177,7 +177,7 @@ def _fp8(norm: str, x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype,
                                   zero_centered_gamma, norm, spec)
     carrier, data = outs[0], outs[1]
     data_t = outs[2] if len(outs) > 2 else None
-    return Float8Tensor(data=data, scale_inv=1.0 / scale, data_t=data_t), carrier
+    return Float8Tensor(data=data, scale_inv=torch.reciprocal(scale), data_t=data_t), carrier
 
 
 def fp8_norm_fused(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
