@@ -2,9 +2,11 @@
 epilogue on one rank) and TransformerLayer's use of it for its residual connections.
 
 Each case runs two copies of one module from the same state: `module(x, residual=r)` and `module(x) + r`.
-Their gradients are equal bit for bit (backward is the same; r's gradient is the output's), their outputs
-equal bit for bit in fp32 (the epilogue's fp32 sum is the add's) and within one rounding of each other in
-bf16 (the epilogue rounds once, the add twice), where the fused one is at least as close to the fp64 sum.
+Their gradients are equal bit for bit (backward is the same; r's gradient is the output's). Their outputs
+are equal bit for bit in fp32 on the CPU (the epilogue's fp32 sum is the add's; on a GPU cuBLASLt may pick
+another kernel for a GEMM with a C operand, which sums the products in another order: equal to fp32
+rounding) and within one rounding of each other in bf16 (the epilogue rounds once, the add twice), where
+the fused one is the closer to the exact sum.
 """
 import copy
 
@@ -14,7 +16,7 @@ import torch
 import te_parallel as te
 from te_parallel import recipe as R
 from te_parallel.ops import gemm as gemm_ops
-from tests.reference import rel_err
+from tests.reference import fp8_chain_tol, rel_err
 
 RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}
 
@@ -43,6 +45,14 @@ def _run(module, x, r, dy, recipe, fused: bool, **fwd):
     return out.detach(), x.grad, r.grad, grads
 
 
+def _equal(a, b):
+    """Bit for bit on the CPU; to fp32 rounding on a GPU (another GEMM kernel may sum in another order)."""
+    if a.is_cuda:
+        torch.testing.assert_close(a, b)
+    else:
+        assert torch.equal(a, b)
+
+
 def _compare(module, x, r, dy, recipe, dtype, **fwd):
     """Both forms from the same state, over two steps (the second with delayed scales from the first)."""
     a, b = module, copy.deepcopy(module)
@@ -51,7 +61,7 @@ def _compare(module, x, r, dy, recipe, dtype, **fwd):
         out_b, dx_b, dr_b, g_b = _run(b, x, r, dy, recipe, False, **fwd)
         assert torch.equal(dr_a, dy) and torch.equal(dr_b, dy)
         if dtype == torch.float32:
-            assert torch.equal(out_a, out_b)
+            _equal(out_a, out_b)
             assert torch.equal(dx_a, dx_b)
             assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
         else:  # one rounding against two: within a bf16 step of each other
@@ -70,8 +80,7 @@ def test_linear_residual(recipe_name, bias, dtype, device, epilogue_adds):
     x = torch.randn(3, 16, 64, device=device, dtype=dtype)
     r, dy = torch.randn(3, 16, 48, device=device, dtype=dtype), torch.randn(3, 16, 48, device=device, dtype=dtype)
     _compare(m, x, r, dy, recipe, dtype)
-    # in the GEMM's epilogue exactly when the GEMM runs in FP8 (the fused form's forwards: 1st and 3rd)
-    assert epilogue_adds == ([True, False] * 2 if recipe is not None else [])
+    assert sum(epilogue_adds) == (2 if recipe is not None else 0)  # the fused form's two FP8 forwards
 
 
 @pytest.mark.parametrize("recipe_name", [None, *RECIPES])
@@ -83,8 +92,7 @@ def test_layernorm_mlp_residual(recipe_name, activation, normalization, dtype, d
                         params_dtype=dtype)
     x, r, dy = (torch.randn(16, 2, 64, device=device, dtype=dtype) for _ in range(3))
     _compare(m, x, r, dy, recipe, dtype)
-    fc2_adds = [added for i, added in enumerate(epilogue_adds) if i % 2 == 1]  # (fc1, fc2) per forward
-    assert fc2_adds == ([True, False] * 2 if recipe is not None else [])
+    assert sum(epilogue_adds) == (2 if recipe is not None else 0)  # fc2 of the fused form's two FP8 forwards
 
 
 def test_bf16_epilogue_is_one_rounding(device):
@@ -110,14 +118,15 @@ def _llama_layer(device, **kw):
 @pytest.mark.parametrize("recipe_name", [None, *RECIPES])
 def test_transformer_layer_residuals_in_gemms(recipe_name, device, epilogue_adds):
     """Without dropout between a block and its residual add, the layer hands x to the block, which adds it
-    in its output GEMM: the layer equals x1 = x + attention(x), x1 + mlp(x1) (fp32: bit for bit)."""
+    in its output GEMM: the layer equals x1 = x + attention(x), x1 + mlp(x1) (fp32 on the CPU: bit for bit)."""
     recipe = RECIPES.get(recipe_name)
     layer = _llama_layer(device, hidden_dropout=0.0)
     x, dy = torch.randn(16, 2, 64, device=device), torch.randn(16, 2, 64, device=device)
     twin = copy.deepcopy(layer)
-    outs, grads = [], []
+    outs, grads, adds = [], [], []
     for form in ("layer", "composed"):
         m = layer if form == "layer" else twin
+        epilogue_adds.clear()
         xi = x.clone().requires_grad_(True)
         with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             if form == "layer":
@@ -128,11 +137,13 @@ def test_transformer_layer_residuals_in_gemms(recipe_name, device, epilogue_adds
         out.backward(dy)
         outs.append(out.detach())
         grads.append([xi.grad] + [p.grad for p in m.parameters()])
-    assert torch.equal(outs[0], outs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+        adds.append(sum(epilogue_adds))
+    if x.is_cuda:  # a last-bit difference in x1 may move an FP8 code of the MLP's input by a step
+        assert all(rel_err(a, b) < fp8_chain_tol(device) for a, b in zip([outs[0], *grads[0]], [outs[1], *grads[1]]))
+    else:
+        assert torch.equal(outs[0], outs[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
     # proj and fc2 of the layer's forward took the residual; none of the composed forward's GEMMs did
-    n = len(epilogue_adds) // 2
-    assert sum(epilogue_adds[:n]) == (2 if recipe is not None else 0) and not any(epilogue_adds[n:])
+    assert adds == [2 if recipe is not None else 0, 0]
 
 
 def test_transformer_layer_dropout_keeps_its_add(device, epilogue_adds):
