@@ -178,3 +178,21 @@ def test_residual_errors(device):
             mlp(x, residual=torch.randn(4, 2, 64, device=device))
     with pytest.raises(ValueError, match=r"Linear: residual must have the output's shape \(8, 48\), got \(2, 4, 48\)"):
         m(x, residual=torch.randn(2, 4, 48, device=device))  # (high precision: the add's own check)
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_layernorm_mlp_checkpoint_residual(recipe_name, device):
+    """LayerNormMLP(checkpoint=True) recomputes its forward, the residual among its inputs, bit for bit."""
+    recipe = RECIPES[recipe_name]
+    kw = dict(activation="swiglu", normalization="RMSNorm", device=device)
+    plain = te.LayerNormMLP(64, 96, **kw)
+    recomputed = te.LayerNormMLP(64, 96, checkpoint=True, **kw)
+    recomputed.load_state_dict(plain.state_dict())
+    x, r, dy = (torch.randn(16, 2, 64, device=device) for _ in range(3))
+    for _ in range(2):
+        got = [_run(m, x, r, dy, recipe, True) for m in (plain, recomputed)]
+        (out_a, dx_a, dr_a, g_a), (out_b, dx_b, dr_b, g_b) = got
+        assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b) and torch.equal(dr_b, dy)
+        assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)
+        for m in (plain, recomputed):
+            m.zero_grad(set_to_none=True)
