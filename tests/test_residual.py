@@ -60,10 +60,10 @@ def _compare(module, x, r, dy, recipe, dtype, **fwd):
         out_a, dx_a, dr_a, g_a = _run(a, x, r, dy, recipe, True, **fwd)
         out_b, dx_b, dr_b, g_b = _run(b, x, r, dy, recipe, False, **fwd)
         assert torch.equal(dr_a, dy) and torch.equal(dr_b, dy)
+        assert torch.equal(dx_a, dx_b)
+        assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
         if dtype == torch.float32:
             _equal(out_a, out_b)
-            assert torch.equal(dx_a, dx_b)
-            assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
         else:  # one rounding against two: within a bf16 step of each other
             torch.testing.assert_close(out_a, out_b, rtol=2 ** -7, atol=2 ** -7)
         for m in (a, b):
