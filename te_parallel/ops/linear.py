@@ -198,12 +198,12 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     if fused is not None:
         y2d, x_local = fused
         w_used = fp8.weight
-    elif accumulate is not None:  # (one rank, FP8: residual_in_gemm)
-        x_local, w_used = _fprop_operands(x2d, weight, fp8, par, act_dtype, x_q, need_wgrad, regather)
-        y2d = _fprop(x_local, w_used, bias, act_dtype, fp8, accumulate)
     else:
         x_local, w_used = _fprop_operands(x2d, weight, fp8, par, act_dtype, x_q, need_wgrad, regather)
-        y2d = _fprop_on_ranks(x_local, w_used, bias, fp8, par, act_dtype, out_features, row, regather)
+        if accumulate is not None:  # (one rank, FP8: residual_in_gemm)
+            y2d = _fprop(x_local, w_used, bias, act_dtype, fp8, accumulate)
+        else:
+            y2d = _fprop_on_ranks(x_local, w_used, bias, fp8, par, act_dtype, out_features, row, regather)
     if row and bias is not None:
         y2d = y2d + bias.to(act_dtype)
     s = LinearSaved()
