@@ -145,3 +145,41 @@ def test_ops_compile_in_one_graph():
     got = torch.compile(step, fullgraph=True)(x, amax_c)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
     assert torch.equal(amax_c, amax_e)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("shape", [(32, 48), (4, 8, 48)], ids=["2d", "3d"])
+def test_one_call_run_equals_apply(recipe_name, shape):
+    """OneCallFP8Linear.run (the one-call forward's entry: torch's C Function.apply with grad on, the op
+    alone with grad off) gives apply's bytes: output, gradients of x, W and bias, the amaxes recorded; with
+    grad off it adds no autograd node. The CPU kernels stand in for the CUDA ones (same math)."""
+    import te_parallel as te
+    from te_parallel import recipe as R
+    from te_parallel.fp8 import autocast as ac
+    from te_parallel.ops import linear as linear_ops
+
+    assert linear_ops._C_APPLY is not None  # present on the supported torch versions: run() takes it
+    rec = R.DelayedScaling() if recipe_name == "delayed" else R.Float8CurrentScaling()
+    torch.manual_seed(0)
+    mods = [te.Linear(48, 16, params_dtype=torch.bfloat16, device="cpu") for _ in range(2)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    dy = torch.randn(*shape[:-1], 16, dtype=torch.bfloat16)
+    results = []
+    for m, entry in zip(mods, ("apply", "run")):
+        xi = x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=rec):
+            cfg = m._gemm_fp8(ac.current_frame(), 0, [m.weight], m.weight, None)
+            if entry == "apply":
+                y = linear_ops.OneCallFP8Linear.apply(xi, m.weight, m.bias, cfg)
+            else:
+                y = linear_ops.OneCallFP8Linear.run(xi, m.weight, m.bias, cfg)
+        assert type(y.grad_fn).__name__ == "OneCallFP8LinearBackward"
+        y.backward(dy)
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=rec):
+            cfg = m._gemm_fp8(ac.current_frame(), 0, [m.weight], m.weight, None)
+            y0 = linear_ops.OneCallFP8Linear.run(x, m.weight, m.bias, cfg)
+        assert y0.grad_fn is None and y0.shape == y.shape
+        results.append([y.detach(), xi.grad, m.weight.grad, m.bias.grad, y0] + [b.clone() for b in m.fp8_state.buffers()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -1,6 +1,7 @@
 """te.Linear: y = x·Wᵀ + b with FP8 GEMMs inside `fp8_autocast`."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +26,7 @@ from te_parallel.module.base import (
 )
 from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.native import torch_ops as native_ops
+from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.linear import SINGLE, OneCallFP8Linear
 from te_parallel.parallel.collectives import all_reduce_grad
 
@@ -109,9 +111,11 @@ class Linear(GemmModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
                 residual: Optional[torch.Tensor] = None):
-        frame = self._fp8_frame()
-        if (frame is not None and residual is None and type(inp) is torch.Tensor and inp.is_cuda
-                and not torch.compiler.is_compiling()):
+        frame = _autocast.current_frame()
+        if frame is not None and not frame.enabled:
+            frame = frame if frame.calibrating else None
+        elif (frame is not None and residual is None and type(inp) is torch.Tensor and inp.is_cuda
+              and not torch.compiler.is_compiling()):
             out = self._fp8_one_call(inp, frame, is_first_microbatch)
             if out is not None:
                 return out
@@ -149,22 +153,31 @@ class Linear(GemmModule):
         operands as the general path (_linear_forward), at a fraction of its host time (docs/benchmarks.md,
         "Host time"). None where the case is another (the general path runs it)."""
         recipe, params = frame.recipe, self._params
-        if (not frame.enabled or recipe.min_fp8_gemm or self.tp_size != 1 or self.ub is not None
-                or self.fuse_wgrad_accumulation or self.return_bias or not self._tp_checked
-                or len(params.weight_names) != 1 or recipe.fp8_gemm_fprop.backend != "native"
-                or _autocast.checkpoint_stash() is not None or torch.is_autocast_enabled("cuda")):
+        if (recipe.min_fp8_gemm or self.tp_size != 1 or self.ub is not None or self.fuse_wgrad_accumulation
+                or self.return_bias or not self._tp_checked or len(params.weight_names) != 1
+                or recipe.fp8_gemm_fprop.backend != "native" or _autocast.checkpoint_stash() is not None
+                or torch.is_autocast_enabled("cuda")):
             return None
         weight = self._parameters[params.weight_names[0]]
         bias = self._parameters[params.bias_names[0]] if params.bias_names else None
         dtype, k, n = inp.dtype, self.in_features, self.out_features
-        if (inp.dtype is not weight.dtype or isinstance(weight, Float8Weight) or inp.dim() < 2
+        if (dtype is not weight.dtype or isinstance(weight, Float8Weight) or inp.dim() < 2
                 or inp.shape[-1] != k or not inp.is_contiguous() or inp.numel() == 0 or ((inp.numel() // k) | k | n) & 15
                 or not (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32)
                 or not (bias is None or (bias.dtype is dtype and dtype is not torch.float32))  # cuBLASLt's epilogue
                 or not native_ops.usable()):
             return None
-        cfg = self._gemm_fp8(frame, 0, [weight], weight, is_first_microbatch)  # scales, amax records, W
-        return OneCallFP8Linear.apply(inp, weight, bias, (cfg, None, SINGLE, torch.is_grad_enabled()))
+        # _gemm_fp8's work for this case (eager, no recompute, an enabled region, a high-precision weight):
+        # the amax records, the backward's scale-update callback, the cast weight
+        state, group = self._modules["fp8_state"], frame.group if frame.group is not None else self.tp_group
+        done = None
+        if recipe.delayed():
+            done = functools.partial(_autocast.record_backward, state, recipe, group)
+            state.ensure_history_len(recipe.amax_history_len)
+            _autocast.record_forward(state, recipe, group)
+        cfg = GemmFP8(recipe, state, 0, None, True, group, backward_done=done)
+        cfg.weight = self._cached_weight(cfg, (weight,), weight, is_first_microbatch, None)
+        return OneCallFP8Linear.run(inp, weight, bias, cfg)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
