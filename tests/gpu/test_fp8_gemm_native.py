@@ -224,3 +224,33 @@ def test_high_precision_operands(dtype, out_fp32):
                        out.data_ptr(), code[out.dtype], 0, False, ws.data_ptr(), ws.numel(), stream)
     want = (a.double() @ b.double().t() + c.double())
     _close(out, want.to(out.dtype), out.dtype, ulps=16.0 if out_fp32 else 2.0, scale=(a.double().abs() @ b.double().abs().t()) + c.abs())
+
+
+@pytest.mark.parametrize("case", ["bias_bf16", "acc_fp32", "bias_fp32", "fp16"])
+def test_fp8_mm_op_and_binding_same_bytes(case, monkeypatch):
+    """ops.gemm.fp8_mm issues a GEMM with a new output through the torch op te_parallel::fp8_gemm (less host
+    time) and one into a given `out` through the binding: the same cuBLASLt plan (none added by the second),
+    the same bytes, with bias (fused, or added after for fp32) and accumulate."""
+    from te_parallel.native import torch_ops
+    from te_parallel.ops import gemm as ops_gemm
+    from te_parallel.recipe import MMParams
+
+    if not torch_ops.usable():
+        pytest.skip("te_parallel._C was built without the torch ops")
+    out_dtype = {"acc_fp32": torch.float32, "bias_fp32": torch.float32, "fp16": torch.float16}.get(case, torch.bfloat16)
+    m, k, n = 64, 128, 96
+    a, b = _q((m, k), E4, 21), _q((n, k), E5, 22)
+    bias = torch.randn(n, device="cuda").to(out_dtype) if case.startswith("bias") else None
+    acc = torch.randn(m, n, device="cuda").to(out_dtype) if case == "acc_fp32" else None
+    calls = []
+    original = torch_ops.fp8_gemm
+    monkeypatch.setattr(torch_ops, "fp8_gemm", lambda *args: calls.append(1) or original(*args))
+    for mm in (MMParams(), MMParams(use_split_accumulator=False)):
+        via_op = ops_gemm.fp8_mm(a.data, a.scale_inv, b.data.t(), b.scale_inv, out_dtype, bias, mm=mm, accumulate=acc)
+        plans = native_gemm.cached_plans()
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+        via_binding = ops_gemm.fp8_mm(a.data, a.scale_inv, b.data.t(), b.scale_inv, out_dtype, bias, out=out, mm=mm,
+                                      accumulate=acc)
+        assert via_binding is out and native_gemm.cached_plans() == plans
+        assert torch.equal(via_op, via_binding)
+    assert len(calls) == 2  # the calls without `out`
