@@ -1,7 +1,8 @@
 """Host overhead of a small Linear forward, or of a transformer layer's training step beside its GPU time.
 
-One small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime); or one training step of a
-whole transformer layer: te_parallel vs plain PyTorch vs NVIDIA TE (--layer).
+One small Linear forward: te FP8 vs torch bf16 nn.Linear (the CPU-bound regime), NVIDIA TE's Linear beside them
+when it is installed; or one training step of a whole transformer layer: te_parallel vs plain PyTorch vs NVIDIA
+TE (--layer).
 
     python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--floor] [--profile] [--json out.json]
     python benchmarks/bench_host.py --layer llama|gpt [--tokens 512,1024,2048,4096] [--recipe delayed|current|bf16]
@@ -15,6 +16,7 @@ of issuing the call (Python, autograd bookkeeping, allocator, kernel launches). 
 the once-per-region cost (the delayed-scaling update at the region's exit) is its own row. The FP8
 rows run the GEMM in FP8 (the recipes' default); one more row has a recipe whose min_fp8_gemm runs a
 GEMM this small in bf16, and one ("general path") a Linear whose one-call FP8 forward is switched off.
+With TE installed, "TE" rows time its Linear the same way (its fp8_autocast and recipe of the same name).
 --floor times the blocks of an FP8 forward alone (the cast and GEMM calls with everything prepared,
 an allocation, an autograd node): what any Python-orchestrated FP8 forward pays at least (JSON:
 <json stem>_floor.json).
@@ -52,8 +54,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, Parser, report, te_training_step, time_interleaved,  # noqa: E402
-                    training_step, with_torch_gemm)
+from common import (OTHER_GEMM_LABEL, Parser, report, te_recipe, te_training_step, time_interleaved,  # noqa: E402
+                    training_step, transformer_engine, with_torch_gemm)
 from te_parallel import native, recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 from te_parallel.native import torch_ops as native_ops  # noqa: E402
@@ -310,6 +312,18 @@ def linear_mode(a) -> None:
     def general_call():
         general(x, is_first_microbatch=False)
 
+    # NVIDIA TE's Linear beside them when it is installed: the same call (weight cast kept after the first
+    # forward, is_first_microbatch=False) in TE's fp8_autocast with its recipe of the same name
+    peer = transformer_engine()
+    if peer is not None:
+        other = peer.Linear(k, n, params_dtype=dt, device="cuda")
+
+        def peer_call():
+            other(x, is_first_microbatch=False)
+
+        def peer_region(kind):
+            return lambda: peer.fp8_autocast(enabled=True, fp8_recipe=te_recipe(kind))
+
     nothing = contextlib.nullcontext
     rows = []
     for grad in (True, False):
@@ -323,6 +337,9 @@ def linear_mode(a) -> None:
         if gemm_kernels.usable():
             cases += [(f"te FP8 delayed, {OTHER_GEMM_LABEL}", te_call, fp8_region(with_torch_gemm(delayed))),
                       (f"te FP8 current, {OTHER_GEMM_LABEL}", te_call, fp8_region(with_torch_gemm(current)))]
+        if peer is not None:
+            cases += [("TE bf16", peer_call, nothing), ("TE FP8 delayed", peer_call, peer_region("delayed")),
+                      ("TE FP8 current", peer_call, peer_region("current"))]
         with mode():
             got = measure(cases, a.calls, a.rounds)
         base = got["torch bf16 nn.Linear"]
