@@ -356,7 +356,7 @@ class OneCallFP8Linear(torch.autograd.Function):
         """y, issued with the least host work. With grad off nothing is saved, so the op runs alone (no
         autograd node). With grad on, the autograd node is made by torch's C entry of Function.apply,
         which is what `apply` calls when no functorch transform is active, less its Python wrapper
-        (~20% of this forward's host time outside the op on an H100 host)."""
+        (docs/benchmarks.md, "Host time")."""
         if not torch.is_grad_enabled():
             y = _one_call_op(inp, bias, fp8, False)[0]
             return y if inp.dim() == 2 else y.view(*inp.shape[:-1], y.shape[1])
