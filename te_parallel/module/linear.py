@@ -1,7 +1,6 @@
 """te.Linear: y = x·Wᵀ + b with FP8 GEMMs inside `fp8_autocast`."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +25,6 @@ from te_parallel.module.base import (
 )
 from te_parallel.module.params import LinearParams, gemm_layouts, reset_gemm_module
 from te_parallel.native import torch_ops as native_ops
-from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.linear import SINGLE, OneCallFP8Linear
 from te_parallel.parallel.collectives import all_reduce_grad
 
@@ -167,16 +165,7 @@ class Linear(GemmModule):
                 or not (bias is None or (bias.dtype is dtype and dtype is not torch.float32))  # cuBLASLt's epilogue
                 or not native_ops.usable()):
             return None
-        # _gemm_fp8's work for this case (eager, no recompute, an enabled region, a high-precision weight):
-        # the amax records, the backward's scale-update callback, the cast weight
-        state, group = self._modules["fp8_state"], frame.group if frame.group is not None else self.tp_group
-        done = None
-        if recipe.delayed():
-            done = functools.partial(_autocast.record_backward, state, recipe, group)
-            state.ensure_history_len(recipe.amax_history_len)
-            _autocast.record_forward(state, recipe, group)
-        cfg = GemmFP8(recipe, state, 0, None, True, group, backward_done=done)
-        cfg.weight = self._cached_weight(cfg, (weight,), weight, is_first_microbatch, None)
+        cfg = self._gemm_fp8(frame, 0, (weight,), weight, is_first_microbatch)  # scales, amax records, W
         return OneCallFP8Linear.run(inp, weight, bias, cfg)
 
     def extra_repr(self) -> str:

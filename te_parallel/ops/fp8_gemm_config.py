@@ -149,14 +149,17 @@ class GemmFP8:
         w, mm = self.weight, self.recipe.fp8_gemm_fprop
         if mm.backend != "native" or type(w) is not Float8Tensor or not native_ops.linear_usable(x, w.data, bias):
             return None
-        if self.delayed:
-            scale, amax = self._delayed_scale(self._slot(False), False)
-        else:
-            scale = amax = None
-        y, data, data_t, scale_inv = native_ops.linear_fp8_fwd(
-            x, scale, amax, self.recipe.fp8_format.fwd_dtype, transpose, w.data, w.scale_inv, bias,
-            not mm.use_split_accumulator)
+        y, data, data_t, scale_inv = self.linear_op(x, bias, transpose)
         return y, Float8Tensor(data, scale_inv, data_t if transpose else None)
+
+    def linear_op(self, x: torch.Tensor, bias: Optional[torch.Tensor], transpose: bool):
+        """te_parallel::linear_fp8_fwd of x [M, K] with this GEMM's input scale (or current scaling), weight and
+        fprop accumulation, for a caller that has checked that the op takes them: (y [M, N], x data, x data_t
+        or [0, M], x scale_inv)."""
+        recipe, w = self.recipe, self.weight
+        scale, amax = self._delayed_scale(self._slot(False), False) if recipe.delayed() else (None, None)
+        return native_ops.linear_fp8_fwd(x, scale, amax, recipe.fp8_format.fwd_dtype, transpose, w.data, w.scale_inv,
+                                         bias, not recipe.fp8_gemm_fprop.use_split_accumulator)
 
     def cast_grad(self, dy: torch.Tensor, transpose: bool, amax_group=None, dbias_out=None) -> Float8Tensor:
         q = self._cast(dy, self._slot(True), backward=True, transpose=transpose, amax_group=amax_group,

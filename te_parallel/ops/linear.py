@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from te_parallel.fp8.tensor import Float8Tensor
-from te_parallel.native import torch_ops as native_ops
 from te_parallel.ops import gemm
 from te_parallel.ops import linear_overlap as ov
 from te_parallel.ops.fp8_gemm_config import WeightSource
@@ -366,12 +365,8 @@ class OneCallFP8Linear(torch.autograd.Function):
 
 
 def _one_call_op(inp: torch.Tensor, bias: Optional[torch.Tensor], fp8, need_wgrad: bool):
-    """te_parallel::linear_fp8_fwd of OneCallFP8Linear: (y [M, N], x data, x data_t or [0, M], x scale_inv)."""
-    x2d = inp if inp.dim() == 2 else inp.view(-1, inp.shape[-1])
-    recipe, w = fp8.recipe, fp8.weight
-    scale, amax = fp8.input_scale() if recipe.delayed() else (None, None)
-    return native_ops.linear_fp8_fwd(x2d, scale, amax, recipe.fp8_format.fwd_dtype, need_wgrad, w.data,
-                                     w.scale_inv, bias, not recipe.fp8_gemm_fprop.use_split_accumulator)
+    """The op of OneCallFP8Linear on inp's rows: (y [M, N], x data, x data_t or [0, M], x scale_inv)."""
+    return fp8.linear_op(inp if inp.dim() == 2 else inp.view(-1, inp.shape[-1]), bias, need_wgrad)
 
 
 # torch's C implementation of Function.apply, bound to OneCallFP8Linear (None where this torch lacks it:
