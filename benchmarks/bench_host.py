@@ -127,13 +127,13 @@ def floor(m: int, k: int, n: int, a) -> None:
     xq, xq_t = torch.empty(m, k, device=dev, dtype=e4m3), torch.empty(k, m, device=dev, dtype=e4m3)
     amax, scale_inv = torch.zeros(1, device=dev), torch.empty((), device=dev)
     stream = native.launch_on(dev)[1]
-    ws = gemm_kernels.workspace(dev, stream)
+    ws, _scratch = gemm_kernels.workspace(dev, stream)
     codes = native.DTYPES
     leaf = x.clone().requires_grad_()
 
     def native_gemm():
         mod.gemm(x8.data_ptr(), codes[e4m3], w8.data_ptr(), codes[e4m3], m, n, k, one.data_ptr(), one.data_ptr(), 0,
-                 y.data_ptr(), codes[bf16], bias.data_ptr(), False, ws.data_ptr(), gemm_kernels.WORKSPACE_BYTES, stream)
+                 y.data_ptr(), codes[bf16], bias.data_ptr(), False, ws, gemm_kernels.WORKSPACE_BYTES, stream)
 
     def native_cast():
         mod.cast_transpose_amax(x.data_ptr(), codes[bf16], m, k, one.data_ptr(), xq.data_ptr(), xq_t.data_ptr(),

@@ -4,7 +4,8 @@ Plain PyTorch bf16 + SDPA vs te.TransformerLayer bf16 / FP8 (eager; torch.compil
 request), and NVIDIA Transformer Engine's TransformerLayer beside them when it is installed.
 
     python benchmarks/bench_transformer.py [--model gpt|llama] [--hidden --ffn --heads --gqa --seq --batch]
-        [--ablate] [--compile [--compile-warmup 5]] [--graph] [--packed] [--json out.json]
+        [--ablate] [--compile [--compile-warmup 5] [--compile-mode reduce-overhead]] [--graph] [--packed]
+        [--json out.json]
 
 --model gpt (default): the GPT layer h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1, s2048 b4.
 --model llama: the Llama-3-8B layer h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, no
@@ -13,7 +14,8 @@ dropout, RoPE, s4096 b1. Any size flag overrides the model's.
 16384-token sequence (qkv_format "thd", cu_seqlens, causal within each document, RoPE positions restarting
 per document); the torch row runs SDPA once per document. Eager rows only.
 --compile adds torch.compile(layer, dynamic=False) rows: the torch layer, and te_parallel FP8 delayed and
-current (each on its own copy of the layer), under fp8_autocast as the eager rows. Each compiled row first
+current (each on its own copy of the layer), under fp8_autocast as the eager rows; --compile-mode passes
+torch.compile's `mode` (reduce-overhead: inductor's CUDA graphs, replayed from the third step). Each compiled row first
 runs --compile-warmup untimed steps (the compilations); the JSON rows of the compiled cases hold those
 steps' seconds (compile_s), the dynamo graphs and graph breaks they made, recompiles_after_warmup (the
 dynamo graphs compiled by the row's later steps, torch._dynamo.utils.counters["stats"]["unique_graphs"];
@@ -332,8 +334,8 @@ def te_copy(a, layers: Layers, device="cuda") -> torch.nn.Module:
 
 
 def compiled_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, warmup: int, device="cuda",
-                   backend="inductor") -> tuple:
-    """--compile's rows: torch.compile(layer, dynamic=False) of the torch layer and of a te_parallel copy per
+                   backend="inductor", mode: str = "default") -> tuple:
+    """--compile's rows: torch.compile(layer, dynamic=False, mode=mode) of the torch layer and of a te_parallel copy per
     FP8 recipe (its own copy, so that no other row changes the state its compiled code was guarded on).
     Each is warmed up here (`warmup` steps: the compilations), and afterwards counts the dynamo graphs it
     compiles (recompilations). Returns (steps, {row: record}), a record holding warmup_steps, compile_s (the
@@ -341,11 +343,12 @@ def compiled_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, warmup: 
     recompile_limit_hits (code that dynamo stopped compiling and runs eager: over the warm-up and after), the
     last two kept up to date as the step runs. A row whose compilation fails is left out, its reason printed."""
     def compiled(module):
-        return torch.compile(module, dynamic=False, backend=backend)
+        return torch.compile(module, dynamic=False, backend=backend, mode=None if mode == "default" else mode)
 
-    made = {"torch bf16 + SDPA, torch.compile": training_step(compiled(layers.base), x, dy, **base_fwd)}
+    label = "torch.compile" if mode == "default" else f"torch.compile {mode}"
+    made = {f"torch bf16 + SDPA, {label}": training_step(compiled(layers.base), x, dy, **base_fwd)}
     for kind in ("delayed", "current"):
-        made[f"te FP8 {kind}, torch.compile"] = training_step(compiled(te_copy(a, layers, device)), x, dy,
+        made[f"te FP8 {kind}, {label}"] = training_step(compiled(te_copy(a, layers, device)), x, dy,
                                                               fp8_recipe(kind), **fwd)
     steps, records = {}, {}
     for name, step in made.items():
@@ -418,6 +421,7 @@ def graphed_steps(a, layers: Layers, x, dy, fwd: dict, device="cuda", kinds=("de
     return steps
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COLUMNS = ["case", "ms", "peak_GiB", "held_GiB", "speedup_vs_torch", "ms_synced", "synced_speedup"]
 
 
@@ -434,6 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="add torch.compile rows: the torch layer, te_parallel FP8 delayed and current")
     ap.add_argument("--compile-warmup", type=int, default=5,
                     help="untimed steps of each compiled row before its recompilations are counted")
+    ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                    help="torch.compile's mode for the --compile rows")
     ap.add_argument("--graph", action="store_true",
                     help="add te.make_graphed_callables rows (FP8 delayed and current), timed with the others")
     a = ap.parse_args(argv)
@@ -453,6 +459,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--packed takes --model llama, got --model {a.model}")
     if a.packed and (a.compile or a.graph or a.ablate):
         ap.error("--packed times the eager rows only; drop --compile, --graph and --ablate")
+    if a.compile_mode != "default" and not a.compile:
+        ap.error(f"--compile-mode {a.compile_mode}: goes with --compile")
     if a.compile_warmup < 1:
         ap.error(f"--compile-warmup {a.compile_warmup}: at least one step (the compilation)")
     return a
@@ -481,7 +489,7 @@ def main() -> None:
     fwd, base_fwd, peer_fwd = forward_kwargs(a, a.seq, peer=layers.peer is not None)
     steps, records = eager_steps(a, layers, x, dy, fwd, base_fwd, peer_fwd), {}
     if a.compile:
-        made, records = compiled_steps(a, layers, x, dy, fwd, base_fwd, a.compile_warmup)
+        made, records = compiled_steps(a, layers, x, dy, fwd, base_fwd, a.compile_warmup, mode=a.compile_mode)
         steps.update(made)
     if a.graph:
         steps.update(graphed_steps(a, layers, x, dy, fwd))

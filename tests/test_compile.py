@@ -221,3 +221,62 @@ def test_checkpointed_mlp(recipe, device):
     got, compiled = _train(twin, torch.compile(twin, backend="aot_eager", fullgraph=True), RECIPES[recipe], device)
     _assert_one_graph_from_the_first_step(compiled)
     _assert_same(want, got, _eager_tol(RECIPES[recipe], device))
+
+
+
+# Known to fail on an H100 with torch 2.11: under delayed scaling the CUDA graphs are recorded again every
+# step, and under current scaling the Llama layer's first norm weight gradient differs from eager's by the
+# fifth step (docs/compile.md, "Known limits"). Strict: a case that starts passing fails here until it moves
+# to the passing list.
+REDUCE_OVERHEAD_CASES = [
+    pytest.param(name, recipe, id=f"{name}-{recipe}", marks=pytest.mark.xfail(strict=True, reason=reason))
+    for name, recipe, reason in (
+        ("linear", "delayed", "delayed scaling: the CUDA graphs are recorded again every step"),
+        ("llama_layer", "delayed", "delayed scaling: the CUDA graphs are recorded again every step"),
+        ("gpt_layer", "delayed", "delayed scaling: the CUDA graphs are recorded again every step"),
+        ("llama_layer", "current", "a norm weight gradient differs from eager's after the graphs replay"),
+    )
+]
+
+
+def _cuda_graphs_recorded() -> int:
+    """CUDA graphs inductor's CUDA graph trees have recorded on this device so far (nodes of its trees)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    todo = [] if manager is None else [n for nodes in manager.roots.values() for n in nodes]
+    count = 0
+    while todo:
+        node = todo.pop()
+        count += 1
+        todo += [child for children in node.children.values() for child in children]
+    return count
+
+
+@pytest.mark.parametrize("name, recipe", REDUCE_OVERHEAD_CASES)
+def test_reduce_overhead_training_matches_eager(name, recipe, device):
+    """mode="reduce-overhead" (inductor's CUDA graphs): the graph's pieces between the bookkeeping ops are
+    recorded as CUDA graphs in the first steps and replayed after; the bookkeeping ops run outside them on
+    every step, so five steps give eager mode's outputs, gradients and FP8 state (scales, histories) within
+    the FP8 chain tolerance, with no CUDA graph skipped and none recorded in the last two steps."""
+    if device == "cpu":
+        pytest.skip("inductor's CUDA graphs (mode='reduce-overhead') need a GPU")
+    eager, twin = _twins(name, device)
+    want, _ = _train(eager, eager, RECIPES[recipe], device, steps=5)
+    counters.clear()
+    compiled_twin, recorded = torch.compile(twin, dynamic=False, mode="reduce-overhead"), []
+
+    def call(x):
+        recorded.append(_cuda_graphs_recorded())  # by the steps before this one
+        return compiled_twin(x)
+
+    got, compiled = _train(twin, call, RECIPES[recipe], device, steps=5)
+    recorded.append(_cuda_graphs_recorded())
+    _assert_one_graph_from_the_first_step(compiled)
+    skips = counters["inductor"].get("cudagraph_skips")
+    assert not skips, f"inductor skipped CUDA graphs: {dict(counters['inductor'])}"
+    assert recorded[-1] > recorded[0] and recorded[3] == recorded[-1], \
+        f"CUDA graphs recorded before each step: {recorded}"
+    steps = sum(not n.startswith("state ") for n, _ in want)
+    _assert_same(want[:steps], got[:steps], fp8_chain_tol(device))
+    _assert_same(want[steps:], got[steps:], fp8_chain_tol(device))

@@ -53,6 +53,15 @@ void bind_gemm(py::module_& m) {
         "True if cuBLASLt can be opened (else tep_last_error() says why: see gemm_unavailable_reason)");
   m.def("gemm_unavailable_reason", [] { return tep_gemm_available() ? std::string() : std::string(tep_last_error()); });
   m.def("gemm_cached_plans", &tep_gemm_cached_plans);
+  m.def(
+      "gemm_workspace",
+      [](int device, std::uintptr_t stream, std::size_t bytes) {
+        void* ws = nullptr;
+        check(tep_gemm_workspace(device, reinterpret_cast<void*>(stream), bytes, &ws));
+        return reinterpret_cast<std::uintptr_t>(ws);
+      },
+      "The GEMM workspace of (device, stream) (cudaMalloc'd once, kept); 0 while the stream is being captured "
+      "and has none.");
   m.def("gemm_tune", &gemm_tune, py::arg("a"), py::arg("a_dtype"), py::arg("b"), py::arg("b_dtype"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c"), py::arg("d"),
         py::arg("d_dtype"), py::arg("bias"), py::arg("fast_accum"), py::arg("workspace"), py::arg("workspace_bytes"),

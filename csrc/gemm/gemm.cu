@@ -274,6 +274,41 @@ int tep_gemm_available(void) {
   return 1;
 }
 
+tep_status tep_gemm_workspace(int device, void* stream, size_t workspace_bytes, void** workspace) {
+  static std::mutex mutex;
+  static auto* cache = new std::map<std::pair<int, void*>, std::pair<void*, size_t>>();  // never freed (exit)
+  std::lock_guard<std::mutex> lock(mutex);
+  *workspace = nullptr;
+  auto key = std::make_pair(device, stream);
+  auto it = cache->find(key);
+  if (it != cache->end()) {
+    if (it->second.second != workspace_bytes) {
+      tep::set_error("tep_gemm_workspace: asked for %zu bytes, the stream's workspace has %zu", workspace_bytes,
+                     it->second.second);
+      return TEP_ERROR_INVALID_ARGUMENT;
+    }
+    *workspace = it->second.first;
+    return TEP_SUCCESS;
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
+  if (err == cudaSuccess && capture != cudaStreamCaptureStatusNone) return TEP_SUCCESS;  // the caller's temporary
+  int current = -1;
+  if (err == cudaSuccess) err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  void* ptr = nullptr;
+  if (err == cudaSuccess) err = cudaMalloc(&ptr, workspace_bytes);
+  if (current >= 0 && current != device) cudaSetDevice(current);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    tep::set_error("tep_gemm_workspace: %zu bytes on device %d: %s", workspace_bytes, device, cudaGetErrorString(err));
+    return TEP_ERROR_CUDA;
+  }
+  cache->emplace(key, std::make_pair(ptr, workspace_bytes));
+  *workspace = ptr;
+  return TEP_SUCCESS;
+}
+
 long long tep_gemm_cached_plans(void) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return static_cast<long long>(g_plans.size());

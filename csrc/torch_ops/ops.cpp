@@ -176,17 +176,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cast_fp8(Tensor x, std::optional<Tens
   return {data, data_t, scale_inv, snapshot.has_value() ? *snapshot : empty_like_dev(x, {0}, ScalarType::Float)};
 }
 
-// cuBLASLt's workspace of GEMMs issued on `stream` of `device`: made on first use and kept for the process
-// (two GEMMs in flight on different streams must not share one; one allocation per GEMM would cost host
-// time). Never freed: a static destructor would run after torch has released the device at exit.
-void* workspace(const Tensor& like, void* stream) {
-  static std::mutex mutex;
-  static auto* cache = new std::map<std::pair<int32_t, void*>, Tensor>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto key = std::make_pair(like.get_device_index(), stream);
-  auto it = cache->find(key);
-  if (it == cache->end()) it = cache->emplace(key, empty_like_dev(like, {kWorkspaceBytes}, ScalarType::Byte)).first;
-  return it->second.data_ptr();
+// cuBLASLt's workspace of GEMMs issued on `stream` of `like`'s device: the C API's, kept per (device,
+// stream) outside torch's allocator (so that no CUDA graph's memory pool holds it: inductor's CUDA graph
+// trees refuse a tensor of their pool that outlives their run). On a stream being captured that has none
+// yet, the GEMM gets a temporary in `scratch`, freed when the op returns, as any temporary of a captured op.
+void* workspace(const Tensor& like, void* stream, std::optional<Tensor>& scratch) {
+  void* ws = nullptr;
+  check(tep_gemm_workspace(like.get_device_index(), stream, static_cast<size_t>(kWorkspaceBytes), &ws));
+  if (ws == nullptr) {
+    scratch = empty_like_dev(like, {kWorkspaceBytes}, ScalarType::Byte);
+    ws = scratch->data_ptr();
+  }
+  return ws;
 }
 
 void gemm_into(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b, const Tensor& b_scale_inv,
@@ -199,12 +200,14 @@ void gemm_into(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b, cons
     return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0 ? t : torch::stable::clone(t);
   };
   const Tensor sa = aligned(a_scale_inv), sb = aligned(b_scale_inv);
+  std::optional<Tensor> scratch;
+  void* ws = workspace(a, stream, scratch);
   tep_status status =
       tep_gemm(a.data_ptr(), tep_dtype_of(a.scalar_type()), b.data_ptr(), tep_dtype_of(b.scalar_type()), m, n, k,
                ptr<const float>(sa), ptr<const float>(sb),
                accumulate.has_value() ? accumulate->data_ptr() : nullptr, out.data_ptr(),
                tep_dtype_of(out.scalar_type()), bias.has_value() ? bias->data_ptr() : nullptr, fast_accum ? 1 : 0,
-               workspace(a, stream), static_cast<size_t>(kWorkspaceBytes), stream);
+               ws, static_cast<size_t>(kWorkspaceBytes), stream);
   auto misalign = [](const void* p) { return static_cast<int>(reinterpret_cast<std::uintptr_t>(p) % 256); };
   STD_TORCH_CHECK(status == TEP_SUCCESS, "te_parallel::fp8_gemm: m=", m, " n=", n, " k=", k, " dtype codes a=",
                   tep_dtype_of(a.scalar_type()), " b=", tep_dtype_of(b.scalar_type()), " out=",

@@ -74,9 +74,9 @@ class Communicator:
         FP8 (with their fp32 scale_inv) or both bf16/fp16; received: [tp-1, m, n] of out's dtype, written
         on side_stream; piece_starts: [0, ..., m] row bounds of the pieces, or [] for whole partials."""
         a_code, b_code, out_code = _codes("gemm_rs", a=a, b=b, out=out)
-        workspace = _gemm.workspace(out.device, stream)
+        workspace, scratch = _gemm.workspace(out.device, stream)  # (scratch: held through the call)
         self._comm.gemm_rs(a.data_ptr(), a_code, b.data_ptr(), b_code, _ptr(a_scale_inv), _ptr(b_scale_inv),
-                           a.shape[1], b.shape[0], fast_accum, workspace.data_ptr(), workspace.numel(), out.shape[0],
+                           a.shape[1], b.shape[0], fast_accum, workspace, _gemm.WORKSPACE_BYTES, out.shape[0],
                            out_code, out.data_ptr(), received.data_ptr(), send_offset, slot_stride, list(piece_starts),
                            own_group, ready_flag, busy_flag, stream, side_stream)
 
@@ -88,9 +88,9 @@ class Communicator:
         call. a [m, k] (this rank's chunk) and b [n, k] as in gemm_rs; bias None or [n] of out's dtype;
         gathered: None, or [tp·m, k] of a's dtype that receives the gathered a."""
         a_code, b_code, out_code = _codes("ag_gemm", a=a, b=b, out=out)
-        workspace = _gemm.workspace(out.device, stream)
+        workspace, scratch = _gemm.workspace(out.device, stream)  # (scratch: held through the call)
         self._comm.ag_gemm(a.data_ptr(), a_code, b.data_ptr(), b_code, _ptr(a_scale_inv), _ptr(b_scale_inv),
-                           a.shape[1], b.shape[0], _ptr(bias), fast_accum, workspace.data_ptr(), workspace.numel(),
+                           a.shape[1], b.shape[0], _ptr(bias), fast_accum, workspace, _gemm.WORKSPACE_BYTES,
                            a.shape[0], out_code, out.data_ptr(), _ptr(gathered), recv_offset, slot_bytes, ready_flag,
                            busy_flag, stream, side_stream)
 

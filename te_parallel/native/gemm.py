@@ -3,7 +3,7 @@ added in the epilogue, its cached plans, and the tuning of a plan's algorithm.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -15,7 +15,6 @@ __all__ = ["WORKSPACE_BYTES", "usable", "unavailable_reason", "cached_plans", "w
 # cuBLASLt workspace of the native GEMM, one per (device, stream): two GEMMs in flight on different
 # streams must not share one. 32 MiB is what cuBLASLt's Hopper kernels may ask for.
 WORKSPACE_BYTES = 32 * 1024 * 1024
-_workspaces: dict = {}
 _usable: dict = {}
 
 
@@ -44,13 +43,18 @@ def cached_plans() -> int:
     return 0 if module is None else int(module.gemm_cached_plans())
 
 
-def workspace(device: torch.device, stream: int) -> torch.Tensor:
-    """The native GEMM's cuBLASLt workspace for GEMMs issued on `stream` (a cudaStream_t int)."""
-    key = (device.index, stream)
-    ws = _workspaces.get(key)
-    if ws is None:
-        ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return ws
+def workspace(device: torch.device, stream: int) -> Tuple[int, Optional[torch.Tensor]]:
+    """(address, temporary) of the native GEMM's cuBLASLt workspace (WORKSPACE_BYTES) for GEMMs issued on
+    `stream` (a cudaStream_t int) of `device`. The C API's own, temporary None: cudaMalloc'd once per (device,
+    stream) and kept, outside torch's allocator, so that no CUDA graph's memory pool holds it. Where the
+    stream is being captured and has none yet (a capture may not cudaMalloc), a temporary tensor: the caller
+    keeps it until the GEMM is issued."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    address = load().gemm_workspace(index, stream, WORKSPACE_BYTES)
+    if address:
+        return address, None
+    scratch = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return scratch.data_ptr(), scratch
 
 
 def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
@@ -59,7 +63,8 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
     """out[m, n] = a_scale_inv·b_scale_inv · a[m, k]·b[n, k]ᵀ (+ bias[n]) (+ accumulate[m, n]), in one
     cuBLASLt call. a, b: contiguous FP8 CUDA; out, accumulate: contiguous, out's dtype; scales: fp32
     CUDA scalars. The caller (te_parallel.ops.gemm) has checked the shapes' GEMM rules."""
-    module, guard, args = _gemm_args("fp8_gemm", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum)
+    module, guard, args, _ws = _gemm_args("fp8_gemm", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias,
+                                          fast_accum)
     with guard:
         module.gemm(*args)
     return out
@@ -77,7 +82,8 @@ def gemm_tune(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
         raise ValueError(f"gemm_tune: rounds must be an int in [1, 16] and reps an int >= 1, got {rounds!r}, {reps!r}")
     if accumulate is not None and accumulate.data_ptr() == out.data_ptr():
         raise ValueError("gemm_tune: accumulate is out itself; every candidate would add into it again")
-    module, guard, args = _gemm_args("gemm_tune", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum)
+    module, guard, args, _ws = _gemm_args("gemm_tune", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias,
+                                          fast_accum)
     with guard:
         times, chosen = module.gemm_tune(*args, rounds, reps)
     return list(times), int(chosen)
@@ -87,14 +93,16 @@ def gemm_choose(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_s
                 out: torch.Tensor, index: int, accumulate: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, fast_accum: bool = False) -> None:
     """Makes candidate `index` the algorithm fp8_gemm runs for such arguments (0: the heuristic's pick)."""
-    module, _, args = _gemm_args("gemm_choose", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum)
+    module, _, args, _ws = _gemm_args("gemm_choose", a, a_scale_inv, b, b_scale_inv, out, accumulate, bias,
+                                      fast_accum)
     a_ptr, a_dt, b_ptr, b_dt, m, n, k, _, _, c_ptr, d_ptr, d_dt, bias_ptr, fast, _, ws_bytes, _ = args
     module.gemm_choose(a_ptr, a_dt, b_ptr, b_dt, m, n, k, c_ptr, d_ptr, d_dt, bias_ptr, fast, ws_bytes, int(index))
 
 
 def _gemm_args(what: str, a, a_scale_inv, b, b_scale_inv, out, accumulate, bias, fast_accum) -> tuple:
-    """(the extension, the device guard, the argument tuple of its gemm call) after checking every tensor
-    the call will read."""
+    """(the extension, the device guard, the argument tuple of its gemm call, and the temporary workspace
+    whose address the tuple holds when the stream is being captured and has no workspace of its own, else
+    None: the caller keeps it until the call is issued) after checking every tensor the call will read."""
     module = require(what, "gemm")
     m, k = a.shape
     n = b.shape[0]
@@ -112,8 +120,9 @@ def _gemm_args(what: str, a, a_scale_inv, b, b_scale_inv, out, accumulate, bias,
                          f"{describe(bias) if bias is not None else None}; need FP8 a [m, k], b [n, k], out and "
                          f"accumulate [m, n] of one dtype, bias [n] of that dtype, all contiguous on one GPU")
     guard, stream = launch_on(a.device)
-    ws = workspace(a.device, stream)
+    ws, scratch = workspace(a.device, stream)
     return module, guard, (a.data_ptr(), DTYPES[a.dtype], b.data_ptr(), DTYPES[b.dtype], m, n, k,
                            a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
                            0 if accumulate is None else accumulate.data_ptr(), out.data_ptr(), DTYPES[out.dtype],
-                           0 if bias is None else bias.data_ptr(), fast_accum, ws.data_ptr(), WORKSPACE_BYTES, stream)
+                           0 if bias is None else bias.data_ptr(), fast_accum, ws, WORKSPACE_BYTES,
+                           stream), scratch

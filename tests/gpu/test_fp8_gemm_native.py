@@ -218,10 +218,10 @@ def test_high_precision_operands(dtype, out_fp32):
     c = torch.randn(m, n, device="cuda").to(torch.float32 if out_fp32 else dtype)
     out = torch.full_like(c, float("nan"))
     stream = torch.cuda.current_stream().cuda_stream
-    ws = native_gemm.workspace(a.device, stream)
+    ws, _scratch = native_gemm.workspace(a.device, stream)
     code = native.DTYPES  # fp8_gemm takes FP8 only: the C API itself, as the comm-overlap schedules call it
     native.load().gemm(a.data_ptr(), code[dtype], b.data_ptr(), code[dtype], m, n, k, 0, 0, c.data_ptr(),
-                       out.data_ptr(), code[out.dtype], 0, False, ws.data_ptr(), ws.numel(), stream)
+                       out.data_ptr(), code[out.dtype], 0, False, ws, native_gemm.WORKSPACE_BYTES, stream)
     want = (a.double() @ b.double().t() + c.double())
     _close(out, want.to(out.dtype), out.dtype, ulps=16.0 if out_fp32 else 2.0, scale=(a.double().abs() @ b.double().abs().t()) + c.abs())
 
@@ -254,3 +254,41 @@ def test_fp8_mm_op_and_binding_same_bytes(case, monkeypatch):
         assert via_binding is out and native_gemm.cached_plans() == plans
         assert torch.equal(via_op, via_binding)
     assert len(calls) == 2  # the calls without `out`
+
+
+def test_gemm_workspace_is_outside_torch_allocator_and_capture_safe():
+    """The cuBLASLt workspace of a stream is the C API's (cudaMalloc'd once, outside torch's allocator): a
+    first GEMM on a new stream, through the torch op and through the binding, leaves nothing allocated in
+    torch's allocator (a kept workspace there is what a CUDA graph pool cannot own: inductor's CUDA graph
+    trees refuse it). A GEMM captured on a stream that has no workspace yet takes a temporary one, and the
+    graph's replays give the eager bytes."""
+    from te_parallel.native import torch_ops
+
+    if not torch_ops.usable():
+        pytest.skip("the torch ops are not built (te_parallel._C without torch's headers)")
+    a, b = _q((64, 128), E4, 1), _q((32, 128), E4, 2)
+    want = torch_ops.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.bfloat16)
+    torch.cuda.synchronize()
+    for path in ("op", "binding"):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            before = torch.cuda.memory_allocated()
+            if path == "op":
+                got = torch_ops.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.bfloat16)
+            else:
+                got = native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.empty_like(want))
+            stream.synchronize()
+            assert torch.equal(got, want), path
+            del got
+            assert torch.cuda.memory_allocated() == before, f"{path}: the workspace stayed in torch's allocator"
+    for path in ("op", "binding"):
+        graph, out = torch.cuda.CUDAGraph(), torch.empty_like(want)
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream with no workspace
+            if path == "op":
+                got = torch_ops.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.bfloat16)
+            else:
+                got = native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out)
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), path

@@ -65,6 +65,16 @@ TEP_API tep_status tep_gemm_choose(const void* a, int a_dtype, const void* b, in
                                    long long k, const void* c, const void* d, int d_dtype, const void* bias,
                                    int fast_accum, size_t workspace_bytes, int index);
 
+/*
+ * *workspace = the workspace of GEMMs issued on `stream` of `device` (workspace_bytes of device memory):
+ * made with cudaMalloc on first use and kept for the process, one per (device, stream), since two GEMMs
+ * in flight on different streams must not share one. It is allocated outside any caching allocator, so no
+ * memory pool that a CUDA graph routes allocations to (torch's graph pools) ever holds it. *workspace = NULL
+ * while `stream` is being captured into a CUDA graph and has none yet (a capture may not cudaMalloc): the
+ * caller passes a temporary of its own to that GEMM.
+ */
+TEP_API tep_status tep_gemm_workspace(int device, void* stream, size_t workspace_bytes, void** workspace);
+
 /* Number of cached plans (descriptors + algorithm), for tests. */
 TEP_API long long tep_gemm_cached_plans(void);
 
