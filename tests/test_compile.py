@@ -54,10 +54,10 @@ def _compiled_so_far():
     return counters["stats"]["unique_graphs"], breaks
 
 
-def _train(module, fn, recipe, device, steps=STEPS, **call):
+def _train(module, fn, recipe, device, steps=STEPS, lr=0.1, **call):
     """Outputs and gradients of `steps` training steps of fn (module or its compiled self), the FP8 state after
     them, and _compiled_so_far() after each step. The inputs depend only on the step."""
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(5)
     results, compiled = [], []
     for step in range(steps):
@@ -208,6 +208,22 @@ def test_first_microbatch_flag(device):
         _assert_same(want, got, _eager_tol(recipe, device))
 
 
+def test_first_attention_of_the_process_in_a_graph(device, monkeypatch):
+    """The first attention a process runs may be a traced one: whether cuDNN's frontend is there (an import
+    and an exit handler the first time it is asked) is settled outside the graph, which stays whole."""
+    if device == "cpu":
+        pytest.skip("the cuDNN frontend is asked about CUDA tensors only")
+    from te_parallel.ops import attention_cudnn_fe
+
+    monkeypatch.setattr(attention_cudnn_fe, "_frontend", {})  # as in a process that has run no attention
+    eager, twin = _twins("llama_layer", device)
+    got, compiled = _train(twin, torch.compile(twin, backend="aot_eager", fullgraph=True), RECIPES["current"],
+                           device)
+    _assert_one_graph_from_the_first_step(compiled)
+    want, _ = _train(eager, eager, RECIPES["current"], device)
+    _assert_same(want, got, _eager_tol(RECIPES["current"], device))
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_checkpointed_mlp(recipe, device):
     """LayerNormMLP(checkpoint=True) (te.checkpoint): in a graph the recompute is torch's selective checkpoint,
@@ -223,20 +239,8 @@ def test_checkpointed_mlp(recipe, device):
     _assert_same(want, got, _eager_tol(RECIPES[recipe], device))
 
 
-
-# Known to fail on an H100 with torch 2.11: under delayed scaling the CUDA graphs are recorded again every
-# step, and under current scaling the Llama layer's first norm weight gradient differs from eager's by the
-# fifth step (docs/compile.md, "Known limits"). Strict: a case that starts passing fails here until it moves
-# to the passing list.
-REDUCE_OVERHEAD_CASES = [
-    pytest.param(name, recipe, id=f"{name}-{recipe}", marks=pytest.mark.xfail(strict=True, reason=reason))
-    for name, recipe, reason in (
-        ("linear", "delayed", "delayed scaling: the CUDA graphs are recorded again every step"),
-        ("llama_layer", "delayed", "delayed scaling: the CUDA graphs are recorded again every step"),
-        ("gpt_layer", "delayed", "delayed scaling: the CUDA graphs are recorded again every step"),
-        ("llama_layer", "current", "a norm weight gradient differs from eager's after the graphs replay"),
-    )
-]
+REDUCE_OVERHEAD_CASES = [("linear", "delayed"), ("linear", "current"), ("llama_layer", "delayed"),
+                         ("llama_layer", "current"), ("gpt_layer", "delayed"), ("gpt_layer", "current")]
 
 
 def _cuda_graphs_recorded() -> int:
@@ -253,16 +257,18 @@ def _cuda_graphs_recorded() -> int:
     return count
 
 
-@pytest.mark.parametrize("name, recipe", REDUCE_OVERHEAD_CASES)
+@pytest.mark.parametrize("name, recipe", REDUCE_OVERHEAD_CASES, ids=[f"{n}-{r}" for n, r in REDUCE_OVERHEAD_CASES])
 def test_reduce_overhead_training_matches_eager(name, recipe, device):
     """mode="reduce-overhead" (inductor's CUDA graphs): the graph's pieces between the bookkeeping ops are
     recorded as CUDA graphs in the first steps and replayed after; the bookkeeping ops run outside them on
     every step, so five steps give eager mode's outputs, gradients and FP8 state (scales, histories) within
-    the FP8 chain tolerance, with no CUDA graph skipped and none recorded in the last two steps."""
+    the FP8 chain tolerance, with no CUDA graph skipped and none recorded in the last two steps. (A smaller
+    learning rate than the other tests': at 0.1 the attention layers' weights blow up by the fifth step,
+    eagerly as compiled.)"""
     if device == "cpu":
         pytest.skip("inductor's CUDA graphs (mode='reduce-overhead') need a GPU")
     eager, twin = _twins(name, device)
-    want, _ = _train(eager, eager, RECIPES[recipe], device, steps=5)
+    want, _ = _train(eager, eager, RECIPES[recipe], device, steps=5, lr=0.01)
     counters.clear()
     compiled_twin, recorded = torch.compile(twin, dynamic=False, mode="reduce-overhead"), []
 
@@ -270,7 +276,7 @@ def test_reduce_overhead_training_matches_eager(name, recipe, device):
         recorded.append(_cuda_graphs_recorded())  # by the steps before this one
         return compiled_twin(x)
 
-    got, compiled = _train(twin, call, RECIPES[recipe], device, steps=5)
+    got, compiled = _train(twin, call, RECIPES[recipe], device, steps=5, lr=0.01)
     recorded.append(_cuda_graphs_recorded())
     _assert_one_graph_from_the_first_step(compiled)
     skips = counters["inductor"].get("cudagraph_skips")

@@ -7,9 +7,11 @@ step to step, which a graph can neither hold (dynamo would guard on their conten
 run in a traced backward. So a compiled graph calls opaque ops instead, which run the same Python
 bookkeeping when the graph runs:
 
-    forward   pass_scales(ticket, fwd scale, bwd scale, group)  -> autocast.record_forward, and copies
-                                                                    of the scales the casts use
-    backward  backward_cast_done(ticket, bwd cells)              -> autocast.record_backward
+    forward   register_forward(ticket, group)        -> autocast.record_forward (returns an empty tensor)
+    backward  backward_cast_done(ticket, bwd cells)  -> autocast.record_backward
+
+Beside them, `pass_scales(fwd scale, bwd scale, registered)` copies the scales the pass's casts use: a device op in
+the graph (a CUDA graph may hold it), where the bookkeeping ops are host work that runs every time.
 
 The backward op reads the cells the gradient casts have just written (the amaxes of this pass,
 te_parallel.fp8.state): that dependency keeps it in the backward graph (an op that reads only forward
@@ -39,9 +41,8 @@ __all__ = ["TracedScales", "backward_done"]
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-@torch.library.custom_op("te_parallel_fp8::pass_scales", mutates_args=(), tags=_TAGS)
-def _pass_scales(ticket: torch.Tensor, fwd_scale: torch.Tensor, bwd_scale: torch.Tensor,
-                 group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("te_parallel_fp8::register_forward", mutates_args=(), tags=_TAGS)
+def _register_forward(ticket: torch.Tensor, group: str) -> torch.Tensor:
     state = _owner(ticket)
     frame = _autocast.current_frame()
     if frame is None:
@@ -50,11 +51,27 @@ def _pass_scales(ticket: torch.Tensor, fwd_scale: torch.Tensor, bwd_scale: torch
     pg = _group(group)
     state.compiled_plan = (frame.recipe, pg)  # the backward's recipe is the forward's (TE's rule)
     _autocast.record_forward(state, frame.recipe, pg, compiled=True)
+    return ticket.new_empty(0)
+
+
+@_register_forward.register_fake
+def _(ticket, group):
+    return ticket.new_empty(0)
+
+
+# A device copy with no host work, so a CUDA graph may hold it; an opaque op rather than two clones, so
+# that the partitioner keeps its outputs for backward instead of recomputing them there from the state's
+# buffers (which the exit update has changed by then). Its outputs are made inside the graph: under
+# inductor's CUDA graphs their addresses are the graph's own, the same at every replay. `registered`, the
+# empty tensor register_forward returns, is what keeps that op in the forward graph (see below).
+@torch.library.custom_op("te_parallel_fp8::pass_scales", mutates_args=())
+def _pass_scales(fwd_scale: torch.Tensor, bwd_scale: torch.Tensor,
+                 registered: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return fwd_scale.clone(), bwd_scale.clone()
 
 
 @_pass_scales.register_fake
-def _(ticket, fwd_scale, bwd_scale, group):
+def _(fwd_scale, bwd_scale, registered):
     return torch.empty_like(fwd_scale), torch.empty_like(bwd_scale)
 
 
@@ -70,14 +87,18 @@ def _(ticket, cells):
     return None
 
 
-PASS_SCALES = torch.ops.te_parallel_fp8.pass_scales.default
+# te.checkpoint's selective recompute keeps these (te_parallel.fp8.recompute): run again in backward, the
+# first would register a forward update from inside backward, the second copy scales the update has changed
+KEEP_IN_RECOMPUTE = (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.pass_scales.default)
 
-# Neither op may be dropped or merged with another call: their point is what they do when they run.
-for _op in (torch.ops.te_parallel_fp8.pass_scales.default, torch.ops.te_parallel_fp8.backward_cast_done.default):
-    if hasattr(torch.fx.node, "has_side_effect"):
-        torch.fx.node.has_side_effect(_op)
-    else:  # (older torch)
-        torch.fx.node._side_effectful_functions.add(_op)
+# backward_cast_done returns nothing: marked as a side effect so that no pass drops it. register_forward is
+# not marked: the graph keeps it for its reader (pass_scales), and a marked op whose inputs a backward graph
+# has (the ticket, which backward_cast_done takes) is copied into that graph too, where it would run after
+# the autocast region has exited.
+if hasattr(torch.fx.node, "has_side_effect"):
+    torch.fx.node.has_side_effect(torch.ops.te_parallel_fp8.backward_cast_done.default)
+else:  # (older torch)
+    torch.fx.node._side_effectful_functions.add(torch.ops.te_parallel_fp8.backward_cast_done.default)
 
 
 def _owner(ticket: torch.Tensor) -> FP8ScalingState:
@@ -118,8 +139,8 @@ class TracedScales:
 
     def __init__(self, state: FP8ScalingState, group) -> None:
         fwd_cells, bwd_cells, ticket = state.compiled_tensors()
-        self.scales = torch.ops.te_parallel_fp8.pass_scales(ticket, state.fwd_scale, state.bwd_scale,
-                                                            _group_name(group))
+        registered = torch.ops.te_parallel_fp8.register_forward(ticket, _group_name(group))
+        self.scales = torch.ops.te_parallel_fp8.pass_scales(state.fwd_scale, state.bwd_scale, registered)
         self.cells = (fwd_cells, bwd_cells)
 
     @property

@@ -99,12 +99,12 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
 
 def _compiled_policy():
     """torch's selective checkpoint policy of te.checkpoint in a graph: recompute everything but the FP8
-    scales of the pass (te_parallel.fp8.compiled's op, which also registers the state for the exit update:
-    run again in backward it would copy scales the exit update has changed, and register the state for a
-    forward update from inside backward)."""
+    scales of the pass and the registration for the exit update (te_parallel.fp8.compiled's ops: run again
+    in backward they would copy scales the exit update has changed, and register the state for a forward
+    update from inside backward)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op is _compiled.PASS_SCALES else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _compiled.KEEP_IN_RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

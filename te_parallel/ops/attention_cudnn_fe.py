@@ -63,6 +63,9 @@ def _release() -> None:
         _handles.clear()
 
 
+# Traced code asks this (ops/attention_dispatch.py): dynamo calls it while tracing and keeps the answer as
+# a constant. Traced, the first call's import and atexit registration would break the graph.
+@torch.compiler.assume_constant_result
 def available() -> bool:
     return frontend() is not None
 
