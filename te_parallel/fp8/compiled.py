@@ -8,14 +8,18 @@ run in a traced backward. So a compiled graph calls opaque ops instead, which ru
 bookkeeping when the graph runs:
 
     forward   register_forward(ticket, group)        -> autocast.record_forward (returns an empty tensor)
-    backward  backward_cast_done(ticket, bwd cells)  -> autocast.record_backward
+    backward  backward_cast_done(ticket, amax_copy(bwd cells))  -> autocast.record_backward
 
-Beside them, `pass_scales(fwd scale, bwd scale, registered)` copies the scales the pass's casts use: a device op in
-the graph (a CUDA graph may hold it), where the bookkeeping ops are host work that runs every time.
+Beside them, `pass_scales(fwd scale, bwd scale, registered)` copies the scales the pass's casts use, and
+`amax_copy` the backward cells: device ops in the graph (a CUDA graph may hold them), where the
+bookkeeping ops are host work that runs every time.
 
-The backward op reads the cells the gradient casts have just written (the amaxes of this pass,
+The backward op reads a copy of the cells the gradient cast has just written (the amaxes of this pass,
 te_parallel.fp8.state): that dependency keeps it in the backward graph (an op that reads only forward
-inputs is moved into the forward by the partitioner). The ticket is the state's own empty tensor: graphs
+inputs is moved into the forward by the partitioner). A copy, not the cells: a module's later gradient
+casts write the same cells, so an op reading them would have to run before those casts, and inductor
+would split its CUDA graphs there; a fresh tensor lets inductor run every backward_cast_done after the
+backward's last kernel, outside one CUDA graph. The ticket is the state's own empty tensor: graphs
 pass tensors through unchanged, so an op finds the state from it, and one graph serves every layer (no
 constant that differs per module, so nothing to guard on). The recipe is the innermost region's when
 the forward runs (as eagerly) and is kept on the state for its backward; the group travels by name.
@@ -87,6 +91,16 @@ def _(ticket, cells):
     return None
 
 
+@torch.library.custom_op("te_parallel_fp8::amax_copy", mutates_args=())
+def _amax_copy(cells: torch.Tensor) -> torch.Tensor:
+    return cells.clone()  # (an opaque op: inductor drops a plain clone whose metadata matches its source)
+
+
+@_amax_copy.register_fake
+def _(cells):
+    return torch.empty_like(cells)
+
+
 # te.checkpoint's selective recompute keeps these (te_parallel.fp8.recompute): run again in backward, the
 # first would register a forward update from inside backward, the second copy scales the update has changed
 KEEP_IN_RECOMPUTE = (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.pass_scales.default)
@@ -156,4 +170,4 @@ def backward_done(state: FP8ScalingState) -> None:
     """In a compiled backward, after a gradient cast (GemmFP8.backward_done): register `state` for the
     update at the end of this backward pass."""
     _, bwd, ticket = state.compiled_tensors()
-    torch.ops.te_parallel_fp8.backward_cast_done(ticket, bwd)
+    torch.ops.te_parallel_fp8.backward_cast_done(ticket, torch.ops.te_parallel_fp8.amax_copy(bwd))
