@@ -4,6 +4,7 @@ Both call cuBLASLt with the same operands, scales and epilogue, so they agree to
 the heuristic picks the same kernel; the assertions allow one rounding of the output dtype, since
 nothing obliges the two callers' heuristics to agree.
 """
+import gc
 import os
 import subprocess
 import sys
@@ -269,18 +270,24 @@ def test_gemm_workspace_is_outside_torch_allocator_and_capture_safe():
     a, b = _q((64, 128), E4, 1), _q((32, 128), E4, 2)
     want = torch_ops.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.bfloat16)
     torch.cuda.synchronize()
-    for path in ("op", "binding"):
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            before = torch.cuda.memory_allocated()
-            if path == "op":
-                got = torch_ops.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.bfloat16)
-            else:
-                got = native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.empty_like(want))
-            stream.synchronize()
-            assert torch.equal(got, want), path
-            del got
-            assert torch.cuda.memory_allocated() == before, f"{path}: the workspace stayed in torch's allocator"
+    gc.collect()  # (a collection inside the measured lines would free earlier tests' tensors)
+    gc.disable()
+    try:
+        for path in ("op", "binding"):
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                before = torch.cuda.memory_allocated()
+                if path == "op":
+                    got = torch_ops.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.bfloat16)
+                else:
+                    got = native_gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.empty_like(want))
+                stream.synchronize()
+                assert torch.equal(got, want), path
+                del got
+                after = torch.cuda.memory_allocated()
+                assert after == before, f"{path}: torch's allocated bytes went from {before} to {after}"
+    finally:
+        gc.enable()
     for path in ("op", "binding"):
         graph, out = torch.cuda.CUDAGraph(), torch.empty_like(want)
         with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream with no workspace
