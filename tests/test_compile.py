@@ -208,6 +208,30 @@ def test_first_microbatch_flag(device):
         _assert_same(want, got, _eager_tol(recipe, device))
 
 
+@pytest.mark.parametrize("name", ["linear", "layernorm_mlp_gelu"])
+def test_calibration_in_a_graph(name, device):
+    """fp8_autocast(enabled=False, calibrating=True) under delayed scaling: the graph computes in high
+    precision and records amaxes, and the exit and end-of-backward updates leave eager mode's FP8 state
+    (no cast reads a scale here, so the registration op is kept in the graph by its own mark alone)."""
+    recipe = R.DelayedScaling(amax_history_len=4)
+    eager, twin = _twins(name, device)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    want, got = [], []
+    for step in range(STEPS):
+        x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(step)).to(device)
+        for module, fn, out in ((eager, eager, want), (twin, compiled, got)):
+            with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
+                y = fn(x)
+            y.sum().backward()
+            out.append((f"step {step} output", y.detach().clone()))
+            out += [(f"step {step} grad {n}", p.grad.clone()) for n, p in module.named_parameters()]
+            module.zero_grad()
+    want += [(f"state {k}", v) for k, v in eager.state_dict().items() if "fp8_state" in k]
+    got += [(f"state {k}", v) for k, v in twin.state_dict().items() if "fp8_state" in k]
+    assert any(v.abs().sum() > 0 for k, v in want if k.endswith("amax_history")), "calibration recorded no amax"
+    _assert_same(want, got, _eager_tol(None, device))
+
+
 def test_first_attention_of_the_process_in_a_graph(device, monkeypatch):
     """The first attention a process runs may be a traced one: whether cuDNN's frontend is there (an import
     and an exit handler the first time it is asked) is settled outside the graph, which stays whole."""

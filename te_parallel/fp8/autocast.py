@@ -154,7 +154,7 @@ def _fold_compiled(items) -> None:
         if compiled:
             state.ensure_history_len(recipe.amax_history_len, backward)
             rows.append(state.tensors(backward)[0][0])
-            cells.append(state.compiled_tensors()[int(backward)])
+            cells.append(state.compiled_tensors(backward)[0])
     if rows:
         torch._foreach_maximum_(rows, cells)
         torch._foreach_zero_(cells)

@@ -7,8 +7,8 @@ step to step, which a graph can neither hold (dynamo would guard on their conten
 run in a traced backward. So a compiled graph calls opaque ops instead, which run the same Python
 bookkeeping when the graph runs:
 
-    forward   register_forward(ticket, group)        -> autocast.record_forward (returns an empty tensor)
-    backward  backward_cast_done(ticket, amax_copy(bwd cells))  -> autocast.record_backward
+    forward   register_forward(forward ticket, group)                    -> autocast.record_forward
+    backward  backward_cast_done(backward ticket, amax_copy(bwd cells))  -> autocast.record_backward
 
 Beside them, `pass_scales(fwd scale, bwd scale, registered)` copies the scales the pass's casts use, and
 `amax_copy` the backward cells: device ops in the graph (a CUDA graph may hold them), where the
@@ -19,8 +19,8 @@ te_parallel.fp8.state): that dependency keeps it in the backward graph (an op th
 inputs is moved into the forward by the partitioner). A copy, not the cells: a module's later gradient
 casts write the same cells, so an op reading them would have to run before those casts, and inductor
 would split its CUDA graphs there; a fresh tensor lets inductor run every backward_cast_done after the
-backward's last kernel, outside one CUDA graph. The ticket is the state's own empty tensor: graphs
-pass tensors through unchanged, so an op finds the state from it, and one graph serves every layer (no
+backward's last kernel, outside one CUDA graph. A ticket is an empty tensor of the state, one per pass:
+graphs pass tensors through unchanged, so an op finds the state from it, and one graph serves every layer (no
 constant that differs per module, so nothing to guard on). The recipe is the innermost region's when
 the forward runs (as eagerly) and is kept on the state for its backward; the group travels by name.
 
@@ -47,7 +47,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 @torch.library.custom_op("te_parallel_fp8::register_forward", mutates_args=(), tags=_TAGS)
 def _register_forward(ticket: torch.Tensor, group: str) -> torch.Tensor:
-    state = _owner(ticket)
+    state = _owner(ticket, backward=False)
     frame = _autocast.current_frame()
     if frame is None:
         raise RuntimeError("a compiled FP8 forward ran outside fp8_autocast, but its graph was traced inside one; "
@@ -67,7 +67,7 @@ def _(ticket, group):
 # that the partitioner keeps its outputs for backward instead of recomputing them there from the state's
 # buffers (which the exit update has changed by then). Its outputs are made inside the graph: under
 # inductor's CUDA graphs their addresses are the graph's own, the same at every replay. `registered`, the
-# empty tensor register_forward returns, is what keeps that op in the forward graph (see below).
+# empty tensor register_forward returns, orders the copies after the registration.
 @torch.library.custom_op("te_parallel_fp8::pass_scales", mutates_args=())
 def _pass_scales(fwd_scale: torch.Tensor, bwd_scale: torch.Tensor,
                  registered: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ def _(fwd_scale, bwd_scale, registered):
 
 @torch.library.custom_op("te_parallel_fp8::backward_cast_done", mutates_args=(), tags=_TAGS)
 def _backward_cast_done(ticket: torch.Tensor, cells: torch.Tensor) -> None:
-    state = _owner(ticket)
+    state = _owner(ticket, backward=True)
     recipe, pg = state.compiled_plan
     _autocast.record_backward(state, recipe, pg, compiled=True)
 
@@ -105,22 +105,25 @@ def _(cells):
 # first would register a forward update from inside backward, the second copy scales the update has changed
 KEEP_IN_RECOMPUTE = (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.pass_scales.default)
 
-# backward_cast_done returns nothing: marked as a side effect so that no pass drops it. register_forward is
-# not marked: the graph keeps it for its reader (pass_scales), and a marked op whose inputs a backward graph
-# has (the ticket, which backward_cast_done takes) is copied into that graph too, where it would run after
-# the autocast region has exited.
-if hasattr(torch.fx.node, "has_side_effect"):
-    torch.fx.node.has_side_effect(torch.ops.te_parallel_fp8.backward_cast_done.default)
-else:  # (older torch)
-    torch.fx.node._side_effectful_functions.add(torch.ops.te_parallel_fp8.backward_cast_done.default)
+# Neither bookkeeping op may be dropped (calibration reads no scale, so nothing reads register_forward's
+# result there) or merged with another call: their point is what they do when they run. A graph keeps an
+# op so marked wherever it has the op's inputs, the backward graph included: hence a ticket per pass, so
+# that the backward graph, which has the backward ticket, cannot run register_forward after the autocast
+# region has exited.
+for _op in (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.backward_cast_done.default):
+    if hasattr(torch.fx.node, "has_side_effect"):
+        torch.fx.node.has_side_effect(_op)
+    else:  # (older torch)
+        torch.fx.node._side_effectful_functions.add(_op)
 
 
-def _owner(ticket: torch.Tensor) -> FP8ScalingState:
+def _owner(ticket: torch.Tensor, backward: bool) -> FP8ScalingState:
     ref = getattr(ticket, "_te_fp8_state", None)
     state = None if ref is None else ref()
-    if state is None or state.ticket is not ticket:
-        raise RuntimeError("te_parallel_fp8 op: its first argument is not the ticket of a live FP8 scaling "
-                           "state (FP8ScalingState.ticket); the ops are called by te_parallel's modules only")
+    if state is None or state.tickets[int(backward)] is not ticket:
+        pass_ = "backward" if backward else "forward"
+        raise RuntimeError(f"te_parallel_fp8 op: its first argument is not the {pass_} ticket of a live FP8 "
+                           f"scaling state (FP8ScalingState.tickets); the ops are called by te_parallel's modules only")
     return state
 
 
@@ -152,10 +155,10 @@ class TracedScales:
     __slots__ = ("scales", "cells")
 
     def __init__(self, state: FP8ScalingState, group) -> None:
-        fwd_cells, bwd_cells, ticket = state.compiled_tensors()
+        fwd_cells, ticket = state.compiled_tensors(backward=False)
         registered = torch.ops.te_parallel_fp8.register_forward(ticket, _group_name(group))
         self.scales = torch.ops.te_parallel_fp8.pass_scales(state.fwd_scale, state.bwd_scale, registered)
-        self.cells = (fwd_cells, bwd_cells)
+        self.cells = (fwd_cells, state.compiled_tensors(backward=True)[0])
 
     @property
     def fwd_scale(self) -> torch.Tensor:
@@ -169,5 +172,5 @@ class TracedScales:
 def backward_done(state: FP8ScalingState) -> None:
     """In a compiled backward, after a gradient cast (GemmFP8.backward_done): register `state` for the
     update at the end of this backward pass."""
-    _, bwd, ticket = state.compiled_tensors()
-    torch.ops.te_parallel_fp8.backward_cast_done(ticket, torch.ops.te_parallel_fp8.amax_copy(bwd))
+    cells, ticket = state.compiled_tensors(backward=True)
+    torch.ops.te_parallel_fp8.backward_cast_done(ticket, torch.ops.te_parallel_fp8.amax_copy(cells))

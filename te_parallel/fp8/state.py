@@ -64,25 +64,27 @@ class FP8ScalingState(nn.Module):
 
     def _make_compiled_tensors(self, device: torch.device) -> None:
         """The tensors a compiled graph reads besides the scales (te_parallel.fp8.compiled): `amax_cells`,
-        the amaxes of the pass in progress ([2G] forward, [G] backward; zero between passes), and `ticket`,
-        an empty tensor that names this state to the bookkeeping op (a graph hands the op the ticket object
-        itself, and the ticket points back here). Plain attributes, not buffers: never in a state dict and
-        never compared or gathered as part of the state; `_apply` and `compiled_tensors` keep them on the
-        state's device."""
+        the amaxes of the pass in progress ([2G] forward, [G] backward; zero between passes), and `tickets`,
+        two empty tensors that name this state to the bookkeeping ops, one for the forward's and one for the
+        backward's (a graph hands an op the ticket object itself, and the ticket points back here). Plain
+        attributes, not buffers: never in a state dict and never compared or gathered as part of the state;
+        `_apply` and `compiled_tensors` keep them on the state's device."""
         f32 = dict(dtype=torch.float32, device=device)
         self.amax_cells = (torch.zeros(2 * self.num_gemms, **f32), torch.zeros(self.num_gemms, **f32))
-        self.ticket = torch.empty(0, dtype=torch.uint8, device=device)
-        self.ticket._te_fp8_state = weakref.ref(self)
+        self.tickets = (torch.empty(0, dtype=torch.uint8, device=device),
+                        torch.empty(0, dtype=torch.uint8, device=device))
+        for ticket in self.tickets:
+            ticket._te_fp8_state = weakref.ref(self)
 
-    def compiled_tensors(self):
-        """(forward cells, backward cells, ticket) on the scales' device (made again if something moved the
-        buffers without `_apply`, e.g. FSDP2 swapping `.data`)."""
-        if self.ticket.device != self.fwd_scale.device:
+    def compiled_tensors(self, backward: bool):
+        """(cells, ticket) of the forward or the backward pass, on the scales' device (made again if
+        something moved the buffers without `_apply`, e.g. FSDP2 swapping `.data`)."""
+        if self.tickets[0].device != self.fwd_scale.device:
             self._make_compiled_tensors(self.fwd_scale.device)
-        return (*self.amax_cells, self.ticket)
+        return self.amax_cells[int(backward)], self.tickets[int(backward)]
 
     def __setstate__(self, state) -> None:
-        """A copy (deepcopy, pickle) gets its own cells and ticket: a copied ticket would still name the original."""
+        """A copy (deepcopy, pickle) gets its own cells and tickets: a copied ticket would still name the original."""
         super().__setstate__(state)
         if "fwd_scale" in self._buffers:
             self._make_compiled_tensors(self.fwd_scale.device)
@@ -120,7 +122,7 @@ class FP8ScalingState(nn.Module):
         view costs nothing in a graph, and a dict written while tracing would be guarded on."""
         bufs = self._buffers
         if torch.compiler.is_compiling():
-            cells = self.compiled_tensors()[int(backward)]
+            cells, _ = self.compiled_tensors(backward)
             scale = bufs["bwd_scale" if backward else "fwd_scale"]
             return scale[slot], cells[slot : slot + 1]
         hist = bufs["bwd_amax_history" if backward else "fwd_amax_history"]
