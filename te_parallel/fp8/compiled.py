@@ -10,7 +10,7 @@ bookkeeping when the graph runs:
     forward   register_forward(forward ticket, group)                    -> autocast.record_forward
     backward  backward_cast_done(backward ticket, amax_copy(bwd cells))  -> autocast.record_backward
 
-Beside them, `pass_scales(fwd scale, bwd scale, registered)` copies the scales the pass's casts use, and
+Beside them, `pass_scales(fwd scale, bwd scale)` copies the scales the pass's casts use, and
 `amax_copy` the backward cells: device ops in the graph (a CUDA graph may hold them), where the
 bookkeeping ops are host work that runs every time.
 
@@ -46,7 +46,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 @torch.library.custom_op("te_parallel_fp8::register_forward", mutates_args=(), tags=_TAGS)
-def _register_forward(ticket: torch.Tensor, group: str) -> torch.Tensor:
+def _register_forward(ticket: torch.Tensor, group: str) -> None:
     state = _owner(ticket, backward=False)
     frame = _autocast.current_frame()
     if frame is None:
@@ -55,27 +55,24 @@ def _register_forward(ticket: torch.Tensor, group: str) -> torch.Tensor:
     pg = _group(group)
     state.compiled_plan = (frame.recipe, pg)  # the backward's recipe is the forward's (TE's rule)
     _autocast.record_forward(state, frame.recipe, pg, compiled=True)
-    return ticket.new_empty(0)
 
 
 @_register_forward.register_fake
 def _(ticket, group):
-    return ticket.new_empty(0)
+    return None
 
 
 # A device copy with no host work, so a CUDA graph may hold it; an opaque op rather than two clones, so
 # that the partitioner keeps its outputs for backward instead of recomputing them there from the state's
 # buffers (which the exit update has changed by then). Its outputs are made inside the graph: under
-# inductor's CUDA graphs their addresses are the graph's own, the same at every replay. `registered`, the
-# empty tensor register_forward returns, orders the copies after the registration.
+# inductor's CUDA graphs their addresses are the graph's own, the same at every replay.
 @torch.library.custom_op("te_parallel_fp8::pass_scales", mutates_args=())
-def _pass_scales(fwd_scale: torch.Tensor, bwd_scale: torch.Tensor,
-                 registered: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _pass_scales(fwd_scale: torch.Tensor, bwd_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return fwd_scale.clone(), bwd_scale.clone()
 
 
 @_pass_scales.register_fake
-def _(fwd_scale, bwd_scale, registered):
+def _(fwd_scale, bwd_scale):
     return torch.empty_like(fwd_scale), torch.empty_like(bwd_scale)
 
 
@@ -105,8 +102,8 @@ def _(cells):
 # first would register a forward update from inside backward, the second copy scales the update has changed
 KEEP_IN_RECOMPUTE = (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.pass_scales.default)
 
-# Neither bookkeeping op may be dropped (calibration reads no scale, so nothing reads register_forward's
-# result there) or merged with another call: their point is what they do when they run. A graph keeps an
+# Neither bookkeeping op may be dropped (nothing reads their results: they have none) or merged with
+# another call: their point is what they do when they run. A graph keeps an
 # op so marked wherever it has the op's inputs, the backward graph included: hence a ticket per pass, so
 # that the backward graph, which has the backward ticket, cannot run register_forward after the autocast
 # region has exited.
@@ -156,8 +153,8 @@ class TracedScales:
 
     def __init__(self, state: FP8ScalingState, group) -> None:
         fwd_cells, ticket = state.compiled_tensors(backward=False)
-        registered = torch.ops.te_parallel_fp8.register_forward(ticket, _group_name(group))
-        self.scales = torch.ops.te_parallel_fp8.pass_scales(state.fwd_scale, state.bwd_scale, registered)
+        torch.ops.te_parallel_fp8.register_forward(ticket, _group_name(group))
+        self.scales = torch.ops.te_parallel_fp8.pass_scales(state.fwd_scale, state.bwd_scale)
         self.cells = (fwd_cells, state.compiled_tensors(backward=True)[0])
 
     @property
