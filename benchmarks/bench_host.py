@@ -6,7 +6,7 @@ TE (--layer).
 
     python benchmarks/bench_host.py [--shape 128x1024x1024] [--calls 20] [--rounds 9] [--floor] [--profile] [--json out.json]
     python benchmarks/bench_host.py --layer llama|gpt [--tokens 512,1024,2048,4096] [--recipe delayed|current|bf16]
-        [--graph] [--calls 1] [--rounds 9] [--json out.json]
+        [--graph] [--compile-mode reduce-overhead|default] [--calls 1] [--rounds 9] [--json out.json]
 
 Microseconds of host time per forward call, for `calls` calls issued back to back while the GPU is
 held busy by a sleep kernel, so the host never waits for the GPU and what is timed is only the work
@@ -29,7 +29,9 @@ sequence: gradients cleared, forward (under fp8_autocast with --recipe delayed o
 FP8 weight copies dropped first, as after an optimizer step) and backward, for te_parallel, the plain
 PyTorch layer (bf16 + SDPA, whatever --recipe) and TE's TransformerLayer with the same config when
 transformer_engine is installed; with --graph, also te_parallel's layer captured by te.make_graphed_callables
-(a copy per token count; its host time is a graph launch per pass). Per step, milliseconds:
+(a copy per token count; its host time is a graph launch per pass); with --compile-mode, also the torch
+and te_parallel layers under torch.compile(dynamic=False) in that mode (a copy of te_parallel's per token
+count; the warm-up steps compile it, and reduce-overhead records its CUDA graphs). Per step, milliseconds:
   host_ms  the host's time to issue the step, queued behind a GPU sleep (the host never waits);
   gpu_ms   the GPU's time to run the step's kernels, from CUDA events around the same queued step: the
            kernels run back to back, with no gap waiting for the host (they start after the sleep, from
@@ -163,11 +165,14 @@ def floor(m: int, k: int, n: int, a) -> None:
            None if a.json is None else os.path.splitext(a.json)[0] + "_floor.json")
 
 
-def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = False) -> dict:
+def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = False,
+                compile_mode: str | None = None, backend: str = "inductor") -> dict:
     """{case: training step} of one layer on `tokens` tokens (batch 1): torch bf16, te_parallel and TE (when
     built) in `kind` (None: bf16, "delayed", "current"); with `graph`, also te_parallel's layer in a CUDA
-    graph (te.make_graphed_callables, a copy of the layer per token count: a capture keeps its shapes)."""
-    from bench_transformer import forward_kwargs, fp8_recipe, graphed_steps
+    graph (te.make_graphed_callables, a copy of the layer per token count: a capture keeps its shapes); with
+    `compile_mode`, also the torch layer and a copy of te_parallel's under torch.compile in that mode
+    (compiled by their first steps)."""
+    from bench_transformer import forward_kwargs, fp8_recipe, graphed_steps, te_copy
 
     x = torch.randn(tokens, 1, cfg.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)  # [s, b, h]
     dy = torch.randn_like(x)
@@ -179,6 +184,14 @@ def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = Fal
         steps[f"TE {label}"] = te_training_step(layers.peer, x, dy, kind, **peer_fwd)
     if graph:
         steps.update(graphed_steps(cfg, layers, x, dy, fwd, device, kinds=(kind,)))
+    if compile_mode is not None:
+        def compiled(module):
+            return torch.compile(module, dynamic=False, backend=backend,
+                                 mode=None if compile_mode == "default" else compile_mode)
+        label_c = "torch.compile" if compile_mode == "default" else f"torch.compile {compile_mode}"
+        steps[f"torch bf16 + SDPA, {label_c}"] = training_step(compiled(layers.base), x, dy, **base_fwd)
+        steps[f"te {label}, {label_c}"] = training_step(compiled(te_copy(cfg, layers, device)), x, dy,
+                                                         fp8_recipe(kind), **fwd)
     return steps
 
 
@@ -187,7 +200,7 @@ def time_steps(steps: dict, calls: int, rounds: int) -> dict:
     a sleep (issue_timed), `rounds` rounds with every case once each, starting one case further each round;
     step ms back to back with clocks settled (common.time_interleaved)."""
     for step in steps.values():
-        for _ in range(5):  # warm-up: allocator pools, lazy inits, attention plans, FP8 scales
+        for _ in range(5):  # warm-up: allocator pools, lazy inits, attention plans, FP8 scales, compilations
             step()
     torch.cuda.synchronize()
     names, samples = list(steps), {name: [] for name in steps}
@@ -212,7 +225,8 @@ def layer_mode(a) -> None:
     kind = None if a.recipe == "bf16" else a.recipe
     rows = []
     for tokens in a.tokens:
-        got = time_steps(layer_steps(cfg, layers, tokens, kind, graph=a.graph), a.calls, a.rounds)
+        got = time_steps(layer_steps(cfg, layers, tokens, kind, graph=a.graph, compile_mode=a.compile_mode),
+                         a.calls, a.rounds)
         base = got["torch bf16 + SDPA"]
         for name, (host, gpu, host_min, gpu_min, step) in got.items():
             rows.append({"tokens": tokens, "case": name, "host_ms": host, "gpu_ms": gpu, "step_ms": step,
@@ -242,10 +256,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--layer: te_parallel's and TE's precision (default: delayed)")
     ap.add_argument("--graph", action="store_true",
                     help="--layer: also te_parallel's layer in a CUDA graph (te.make_graphed_callables)")
+    ap.add_argument("--compile-mode", choices=["default", "reduce-overhead"], default=None,
+                    help="--layer: also the torch and te_parallel layers under torch.compile in this mode")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.layer is None:
-        for flag, value in (("--tokens", a.tokens), ("--recipe", a.recipe), ("--graph", a.graph or None)):
+        for flag, value in (("--tokens", a.tokens), ("--recipe", a.recipe), ("--graph", a.graph or None),
+                            ("--compile-mode", a.compile_mode)):
             if value is not None:
                 ap.error(f"{flag} goes with --layer llama|gpt")
         a.shape = a.shape or "128x1024x1024"

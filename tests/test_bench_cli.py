@@ -29,6 +29,9 @@ MISTAKES = {
     "host: unknown recipe": (bench_host, ["--layer", "llama", "--recipe", "mxfp8"], "--recipe"),
     "host: --shape with --layer": (bench_host, ["--layer", "llama", "--shape", "1x2x3"], "--shape"),
     "host: --floor with --layer": (bench_host, ["--layer", "llama", "--floor"], "--floor"),
+    "host: --compile-mode without --layer": (bench_host, ["--compile-mode", "reduce-overhead"],
+                                             "--compile-mode goes with --layer"),
+    "host: unknown compile mode": (bench_host, ["--layer", "llama", "--compile-mode", "fast"], "--compile-mode"),
     "host: shape of two numbers": (bench_host, ["--shape", "128x1024"], "--shape 128x1024"),
     "host: zero calls": (bench_host, ["--calls", "0"], "--calls 0"),
     "host: rounds not a number": (bench_host, ["--rounds", "many"], "--rounds"),
@@ -124,6 +127,17 @@ def test_recompiles_are_counted(fresh_dynamo):
     run()
     assert record == {"recompiles_after_warmup": 2, "recompile_limit_hits": 0}
     assert run.params == step.params
+
+
+def test_layer_steps_compiled_rows(fresh_dynamo):
+    cfg = _tiny("llama")
+    layers = bench_transformer.build_layers(cfg, device="cpu", peer=False)
+    steps = bench_host.layer_steps(cfg, layers, 32, "delayed", device="cpu", compile_mode="default", backend="eager")
+    assert list(steps) == ["torch bf16 + SDPA", "te FP8 delayed", "torch bf16 + SDPA, torch.compile",
+                           "te FP8 delayed, torch.compile"]
+    for step in list(steps.values())[2:]:
+        step()
+        assert all(p.grad is not None for p in step.params)
 
 
 def test_compiled_rows(fresh_dynamo):

@@ -153,7 +153,7 @@ def _fold_compiled(items) -> None:
     for (_, backward), (state, recipe, _, compiled) in items:
         if compiled:
             state.ensure_history_len(recipe.amax_history_len, backward)
-            rows.append(state.tensors(backward)[0][0])
+            rows.append(state.history_row0(backward))
             cells.append(state.compiled_tensors(backward)[0])
     if rows:
         torch._foreach_maximum_(rows, cells)

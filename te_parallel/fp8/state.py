@@ -57,7 +57,8 @@ class FP8ScalingState(nn.Module):
         # where the host waited for the GPU.
         self._count_host = [0, 0]
         # (backward, slot) -> (history, scale, scale view, amax cell view): the per-cast look-ups of
-        # `slot_views`, valid while the buffers are the same tensor objects (every update is in place).
+        # `slot_views`, and ("row 0", backward) -> (history, its row 0) of `history_row0`; valid while the
+        # buffers are the same tensor objects (every update is in place).
         self._views: dict = {}
         self.in_extra_state = False
         self._make_compiled_tensors(self.fwd_scale.device)
@@ -131,6 +132,16 @@ class FP8ScalingState(nn.Module):
         if hit is None or hit[0] is not hist or hit[1] is not scale:
             hit = self._views[(backward, slot)] = (hist, scale, scale[slot], hist[0, slot : slot + 1])
         return hit[2], hit[3]
+
+    def history_row0(self, backward: bool) -> torch.Tensor:
+        """Row 0 of the forward or backward amax history (the pass in progress), a view made once per
+        history tensor like slot_views' (the fold of a compiled pass's amaxes asks at every pass)."""
+        hist = self._buffers["bwd_amax_history" if backward else "fwd_amax_history"]
+        key = ("row 0", backward)
+        hit = self._views.get(key)
+        if hit is None or hit[0] is not hist:
+            hit = self._views[key] = (hist, hist[0])
+        return hit[1]
 
     def next_update_index(self, backward: bool) -> int:
         """Count one more update of this direction; returns the count before it."""
