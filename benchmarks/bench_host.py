@@ -182,9 +182,16 @@ def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = Fal
              f"te {label}": training_step(layers.te, x, dy, fp8_recipe(kind), **fwd)}
     if layers.peer is not None:
         steps[f"TE {label}"] = te_training_step(layers.peer, x, dy, kind, **peer_fwd)
+    # The graphed and compiled rows take leaves of their own. torch.cuda.make_graphed_callables warms up on a
+    # side stream, so a leaf it sees first gets its gradient node there, and every later backward into that
+    # leaf crosses streams (torch's AccumulateGrad stream warning). One run with one leaf for all rows ended in
+    # a caching-allocator assert while inductor recorded the reduce-overhead row's CUDA graphs; the shared leaf
+    # is the suspected cause (docs/compile.md, "Known limits").
     if graph:
-        steps.update(graphed_steps(cfg, layers, x, dy, fwd, device, kinds=(kind,)))
+        steps.update(graphed_steps(cfg, layers, x.detach().clone().requires_grad_(), dy, fwd, device, kinds=(kind,)))
     if compile_mode is not None:
+        x = x.detach().clone().requires_grad_()
+
         def compiled(module):
             return torch.compile(module, dynamic=False, backend=backend,
                                  mode=None if compile_mode == "default" else compile_mode)
