@@ -78,8 +78,8 @@ def _backward_cast_done(ticket: torch.Tensor, cells: torch.Tensor) -> None:
 
 # The two host-side ops run at every step, outside the CUDA graphs, so their call is registered with the
 # dispatcher directly (a Python kernel for every device, torch's autograd fallback: they return nothing)
-# rather than through torch.library.custom_op, whose Python autograd and output checks cost four times the
-# call (17.5 against 4.0 us on an H100 host, docs/compile.md). Their fake kernels return nothing.
+# rather than through torch.library.custom_op, whose Python autograd and output checks made each call cost
+# about five times as much (docs/compile.md, "Known limits"). Their fake kernels return nothing.
 _LIB = torch.library.Library("te_parallel_fp8", "FRAGMENT")
 _LIB.define("register_forward(Tensor ticket, str group) -> ()", tags=_TAGS)
 _LIB.define("backward_cast_done(Tensor ticket, Tensor cells) -> ()", tags=_TAGS)
