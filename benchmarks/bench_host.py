@@ -172,7 +172,7 @@ def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = Fal
     graph (te.make_graphed_callables, a copy of the layer per token count: a capture keeps its shapes); with
     `compile_mode`, also the torch layer and a copy of te_parallel's under torch.compile in that mode
     (compiled by their first steps)."""
-    from bench_transformer import forward_kwargs, fp8_recipe, graphed_steps, te_copy
+    from bench_transformer import compile_label, compile_layer, forward_kwargs, fp8_recipe, graphed_steps, te_copy
 
     x = torch.randn(tokens, 1, cfg.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)  # [s, b, h]
     dy = torch.randn_like(x)
@@ -190,15 +190,11 @@ def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = Fal
     if graph:
         steps.update(graphed_steps(cfg, layers, x.detach().clone().requires_grad_(), dy, fwd, device, kinds=(kind,)))
     if compile_mode is not None:
-        x = x.detach().clone().requires_grad_()
-
-        def compiled(module):
-            return torch.compile(module, dynamic=False, backend=backend,
-                                 mode=None if compile_mode == "default" else compile_mode)
-        label_c = "torch.compile" if compile_mode == "default" else f"torch.compile {compile_mode}"
-        steps[f"torch bf16 + SDPA, {label_c}"] = training_step(compiled(layers.base), x, dy, **base_fwd)
-        steps[f"te {label}, {label_c}"] = training_step(compiled(te_copy(cfg, layers, device)), x, dy,
-                                                         fp8_recipe(kind), **fwd)
+        x, label_c = x.detach().clone().requires_grad_(), compile_label(compile_mode)
+        base_c = compile_layer(layers.base, compile_mode, backend)
+        te_c = compile_layer(te_copy(cfg, layers, device), compile_mode, backend)
+        steps[f"torch bf16 + SDPA, {label_c}"] = training_step(base_c, x, dy, **base_fwd)
+        steps[f"te {label}, {label_c}"] = training_step(te_c, x, dy, fp8_recipe(kind), **fwd)
     return steps
 
 

@@ -333,6 +333,16 @@ def te_copy(a, layers: Layers, device="cuda") -> torch.nn.Module:
     return layer
 
 
+def compile_layer(module: torch.nn.Module, mode: str = "default", backend: str = "inductor"):
+    """torch.compile(module, dynamic=False) in `mode` ("default": torch's default mode)."""
+    return torch.compile(module, dynamic=False, backend=backend, mode=None if mode == "default" else mode)
+
+
+def compile_label(mode: str) -> str:
+    """The row-name suffix of a compiled row in `mode`."""
+    return "torch.compile" if mode == "default" else f"torch.compile {mode}"
+
+
 def compiled_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, warmup: int, device="cuda",
                    backend="inductor", mode: str = "default") -> tuple:
     """--compile's rows: torch.compile(layer, dynamic=False, mode=mode) of the torch layer and of a te_parallel copy per
@@ -342,14 +352,11 @@ def compiled_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, warmup: 
     warm-up's seconds), graphs and graph_breaks (made during the warm-up), recompiles_after_warmup and
     recompile_limit_hits (code that dynamo stopped compiling and runs eager: over the warm-up and after), the
     last two kept up to date as the step runs. A row whose compilation fails is left out, its reason printed."""
-    def compiled(module):
-        return torch.compile(module, dynamic=False, backend=backend, mode=None if mode == "default" else mode)
-
-    label = "torch.compile" if mode == "default" else f"torch.compile {mode}"
-    made = {f"torch bf16 + SDPA, {label}": training_step(compiled(layers.base), x, dy, **base_fwd)}
+    label = compile_label(mode)
+    made = {f"torch bf16 + SDPA, {label}": training_step(compile_layer(layers.base, mode, backend), x, dy, **base_fwd)}
     for kind in ("delayed", "current"):
-        made[f"te FP8 {kind}, {label}"] = training_step(compiled(te_copy(a, layers, device)), x, dy,
-                                                              fp8_recipe(kind), **fwd)
+        made[f"te FP8 {kind}, {label}"] = training_step(compile_layer(te_copy(a, layers, device), mode, backend), x,
+                                                        dy, fp8_recipe(kind), **fwd)
     steps, records = {}, {}
     for name, step in made.items():
         before, t0 = dynamo_counts(), time.perf_counter()
