@@ -184,9 +184,9 @@ def layer_steps(cfg, layers, tokens: int, kind, device="cuda", graph: bool = Fal
         steps[f"TE {label}"] = te_training_step(layers.peer, x, dy, kind, **peer_fwd)
     # The graphed and compiled rows take leaves of their own. torch.cuda.make_graphed_callables warms up on a
     # side stream, so a leaf it sees first gets its gradient node there, and every later backward into that
-    # leaf crosses streams (torch's AccumulateGrad stream warning). One run with one leaf for all rows ended in
-    # a caching-allocator assert while inductor recorded the reduce-overhead row's CUDA graphs; the shared leaf
-    # is the suspected cause (docs/compile.md, "Known limits").
+    # leaf crosses streams (torch's AccumulateGrad stream warning). With one leaf for all rows, inductor's
+    # recording of the reduce-overhead row's CUDA graphs can fail on a caching-allocator assert; the shared
+    # leaf is the suspected cause (docs/compile.md, "Known limits").
     if graph:
         steps.update(graphed_steps(cfg, layers, x.detach().clone().requires_grad_(), dy, fwd, device, kinds=(kind,)))
     if compile_mode is not None:

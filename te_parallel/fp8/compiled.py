@@ -78,8 +78,8 @@ def _backward_cast_done(ticket: torch.Tensor, cells: torch.Tensor) -> None:
 
 # The two host-side ops run at every step, outside the CUDA graphs, so their call is registered with the
 # dispatcher directly (a Python kernel for every device, torch's autograd fallback: they return nothing)
-# rather than through torch.library.custom_op, whose Python autograd and output checks made each call cost
-# about five times as much (docs/compile.md, "Known limits"). Their fake kernels return nothing.
+# rather than through torch.library.custom_op, whose Python autograd and output checks cost about five times
+# the call (docs/compile.md, "Known limits"). Their fake kernels return nothing.
 _LIB = torch.library.Library("te_parallel_fp8", "FRAGMENT")
 _LIB.define("register_forward(Tensor ticket, str group) -> ()", tags=_TAGS)
 _LIB.define("backward_cast_done(Tensor ticket, Tensor cells) -> ()", tags=_TAGS)
@@ -104,10 +104,9 @@ def _(cells):
 KEEP_IN_RECOMPUTE = (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.pass_scales.default)
 
 # Neither bookkeeping op may be dropped (nothing reads their results: they have none) or merged with
-# another call: their point is what they do when they run. A graph keeps an
-# op so marked wherever it has the op's inputs, the backward graph included: hence a ticket per pass, so
-# that the backward graph, which has the backward ticket, cannot run register_forward after the autocast
-# region has exited.
+# another call: their point is what they do when they run. A graph keeps an op so marked wherever it has
+# the op's inputs, the backward graph included: hence a ticket per pass, so that the backward graph, which
+# has the backward ticket, cannot run register_forward after the autocast region has exited.
 for _op in (torch.ops.te_parallel_fp8.register_forward.default, torch.ops.te_parallel_fp8.backward_cast_done.default):
     if hasattr(torch.fx.node, "has_side_effect"):
         torch.fx.node.has_side_effect(_op)
