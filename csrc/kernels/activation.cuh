@@ -339,6 +339,40 @@ __device__ __forceinline__ void emit_full(const BwdParams& p, const float (&v)[t
   }
 }
 
+// One row of 8 rounded dx values v[0] (row r, columns c0.., offset col_off as in emit_full) to dx and the
+// FP8 rows (no transposed copy), with emit_full's conversions; aligned layout (16-byte dx, 8-byte FP8).
+template <class C>
+__device__ __forceinline__ void emit_row(const BwdParams& p, const float (&v)[1][tile::kSub], int64_t r, int64_t c0,
+                                         int64_t col_off, float scale) {
+  using T = typename C::T;
+  const int64_t ld_x = C::kGated ? 2 * p.n : p.n;
+  const float* w = v[0];
+  if (p.dx != nullptr) {
+    T* out = static_cast<T*>(p.dx) + col_off + r * ld_x + c0;
+    if constexpr (sizeof(T) == 2) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < tile::kSub; ++k) e[k] = tile::from_float<T>(w[k]);
+      *reinterpret_cast<uint4*>(out) = raw;
+    } else {
+      reinterpret_cast<float4*>(out)[0] = make_float4(w[0], w[1], w[2], w[3]);
+      reinterpret_cast<float4*>(out)[1] = make_float4(w[4], w[5], w[6], w[7]);
+    }
+  }
+  if (p.fp8 != nullptr) {
+    uint32_t lo, hi;
+    if (p.e5m2) {
+      lo = tile::fp8x4<__NV_E5M2>(w[0] * scale, w[1] * scale, w[2] * scale, w[3] * scale);
+      hi = tile::fp8x4<__NV_E5M2>(w[4] * scale, w[5] * scale, w[6] * scale, w[7] * scale);
+    } else {
+      lo = tile::fp8x4<__NV_E4M3>(w[0] * scale, w[1] * scale, w[2] * scale, w[3] * scale);
+      hi = tile::fp8x4<__NV_E4M3>(w[4] * scale, w[5] * scale, w[6] * scale, w[7] * scale);
+    }
+    *reinterpret_cast<uint2*>(p.fp8 + col_off + r * ld_x + c0) = make_uint2(lo, hi);
+  }
+}
+
 // A full sub-tile of an aligned layout. sum_a / sum_b: column sums of the two halves' dx (sum_b
 // unused unless gated). Returns the updated |dx| maximum.
 template <class C>
@@ -474,11 +508,89 @@ __global__ void __launch_bounds__(tile::kThreads, (sizeof(typename C::T) == 2 &&
   if (p.amax != nullptr) tile::block_amax_atomic(local_max, p.amax);
 }
 
-// Launches the backward kernel (instantiated in activation_bwd.cu / activation_bwd_fp32.cu).
+// The backward without a transposed copy and without dbias (what the MLP's row-chunked backward asks
+// for: the FP8 gradient rows, or the high-precision ones), on an aligned layout: each thread takes 8
+// columns of kRowsPerThread rows, loads them all, then computes and writes them row by row. The
+// tiled kernel holds a whole 8x8 sub-tile of every operand and output to transpose it (246 registers
+// for SwiGLU in bf16: 2 blocks per SM); here a 2-byte one needs at most 80 (6 blocks per SM, no spills on
+// sm_90), so an SM holds 3x the warps and the loads of some overlap the arithmetic of others. Each
+// element goes through bwd_full's instructions (the same rounding, FP8 bytes and amax).
+constexpr int kRowsPerThread = 2;
+
+template <class C>
+__global__ void __launch_bounds__(tile::kThreads, sizeof(typename C::T) == 2 ? 6 : 1)
+    dact_rows_kernel(const BwdParams p) {
+  using T = typename C::T;
+  constexpr int R = kRowsPerThread, S = tile::kSub;
+  const T* dy = static_cast<const T*>(p.dy);
+  const T* x = static_cast<const T*>(p.x);
+  const T* bias = static_cast<const T*>(p.bias);
+  const int64_t rows = p.rows, n = p.n, ld_x = C::kGated ? 2 * n : n;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * tile::kThreads + threadIdx.x) * S;
+  float m = 0.f;
+  if (c0 < n) {  // (n % 8 == 0 on this path: a thread's 8 columns are all in or all out)
+    const float scale = p.fp8 != nullptr ? *p.scale : 1.f;
+    float bias_a[S], bias_b[S];
+    tile::load_vec(bias, c0, n, true, bias_a);
+    tile::load_vec(C::kGated && bias != nullptr ? bias + n : nullptr, c0, n, true, bias_b);
+    for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * R; r0 < rows; r0 += static_cast<int64_t>(gridDim.y) * R) {
+      tile::Raw8<T> rd[R], ra[R], rb[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (r0 + i < rows) {
+          rd[i] = tile::load_raw(dy + (r0 + i) * n + c0);
+          ra[i] = tile::load_raw(x + (r0 + i) * ld_x + c0);
+          if constexpr (C::kGated) rb[i] = tile::load_raw(x + (r0 + i) * ld_x + n + c0);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (r0 + i >= rows) break;
+        float v[1][S], u[1][S];
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+          float y, dydv;
+          C::Base::template both<C::kAccurate>(ra[i][k] + bias_a[k], y, dydv);
+          const float d = rd[i][k];
+          if constexpr (C::kGated) {
+            v[0][k] = tile::round_to<T>(dydv * (rb[i][k] + bias_b[k]) * d);  // d/da
+            u[0][k] = tile::round_to<T>(y * d);                               // d/db
+          } else {
+            v[0][k] = tile::round_to<T>(dydv * d);
+          }
+        }
+        emit_row<C>(p, v, r0 + i, c0, 0, scale);
+        if constexpr (C::kGated) emit_row<C>(p, u, r0 + i, c0, n, scale);
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+          m = tile::nan_max(m, fabsf(v[0][k]));
+          if constexpr (C::kGated) m = tile::nan_max(m, fabsf(u[0][k]));
+        }
+      }
+    }
+  }
+  if (p.amax != nullptr) tile::block_amax_atomic(m, p.amax);
+}
+
+// True where dact_rows_kernel takes the call: no transposed copy, no dbias, 16-byte rows in and out.
+inline bool rows_path(const BwdParams& p) {
+  return p.fp8_t == nullptr && p.ws == nullptr && p.vec_in && p.vec_out && p.vec_fp8;
+}
+
+// Launches the backward kernel (instantiated in activation_bwd.cu / activation_bwd_fp32.cu): the row
+// kernel where it applies, else the tiled one on `grid`.
 template <typename T>
 tep_status launch_bwd(int act, const BwdParams& p, dim3 grid, cudaStream_t s) {
   auto fn = [&](auto config) {
-    dbias_dact_kernel<decltype(config)><<<grid, tile::kThreads, 0, s>>>(p);
+    if (rows_path(p)) {
+      const int64_t col_blocks = (p.n / tile::kSub + tile::kThreads - 1) / tile::kThreads;
+      const int64_t row_groups = (p.rows + kRowsPerThread - 1) / kRowsPerThread;
+      const dim3 row_grid(static_cast<unsigned>(col_blocks),
+                          static_cast<unsigned>(row_groups < tile::kMaxGridY ? row_groups : tile::kMaxGridY));
+      dact_rows_kernel<decltype(config)><<<row_grid, tile::kThreads, 0, s>>>(p);
+    } else {
+      dbias_dact_kernel<decltype(config)><<<grid, tile::kThreads, 0, s>>>(p);
+    }
     return launch_status("tep_dbias_dactivation", p.rows, p.n);
   };
   return by_act<T>(act, fn);

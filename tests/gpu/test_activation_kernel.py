@@ -161,6 +161,58 @@ def test_backward_fp8_bit_exact(name, dtype, fp8, shape):
     assert torch.equal(data2_t.view(torch.uint8), data_t.view(torch.uint8))
 
 
+# Backward calls without a transposed copy or dbias, on 16-byte rows (n % 8 == 0), take the row kernel;
+# asking for the transpose sends the same call to the tiled kernel. Odd rows (the row kernel takes 2 per
+# thread), n/8 not a multiple of its 128 threads, more row pairs than the grid's 65535.
+ROW_SHAPES = [(1, 8), (7, 200), (129, 1000), (300, 4104), (2048, 4096), (2 * 65535 + 37, 8)]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=_ids(ROW_SHAPES))
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ACTS)
+def test_backward_rows_path_matches_tiled(name, dtype, fp8, shape):
+    x, bias, dy = _inputs(name, shape, dtype, shape[0] % 2 == 1, seed=4)
+    dy.view(-1)[0] = 200.0
+    scale = torch.tensor([8.0], device="cuda")
+    amax_rows, amax_tiled = torch.tensor([0.25], device="cuda"), torch.tensor([0.25], device="cuda")
+    _poison(6 * x.numel() * x.element_size())
+    dx, _, data, none_t = na.dbias_dactivation_backward(name, dy, x, bias, fp8_dtype=fp8, scale=scale,
+                                                        amax_out=amax_rows)
+    assert none_t is None
+    dx_t, _, data_t, data_tt = na.dbias_dactivation_backward(name, dy, x, bias, fp8_dtype=fp8, scale=scale,
+                                                             amax_out=amax_tiled, transpose=True)
+    assert data_tt is not None
+    assert torch.equal(dx.view(torch.uint8), dx_t.view(torch.uint8)), "dx differs from the tiled kernel's"
+    assert torch.equal(data.view(torch.uint8), data_t.view(torch.uint8)), "FP8 bytes differ from the tiled kernel's"
+    assert torch.equal(amax_rows, amax_tiled)
+    if shape[0] <= 4096:
+        ref_dx, _ = act_ops.dbias_dactivation_reference(name, dy, x, bias)
+        _assert_close(dx, ref_dx, _torch_grads(name, x, bias, dy)[0], dtype, "dx")
+    # high precision only, and in place over x (the MLP backward writes the gradient over the activation's input)
+    hp = na.dbias_dactivation_backward(name, dy, x, bias)[0]
+    assert torch.equal(hp.view(torch.uint8), dx.view(torch.uint8))
+    inplace = x.clone()
+    na.dbias_dactivation_backward(name, dy, inplace, bias, dx_out=inplace)
+    assert torch.equal(inplace.view(torch.uint8), dx.view(torch.uint8))
+    # FP8 rows into rows of a larger tensor, as the chunked backward asks for them
+    big = torch.full((shape[0] + 3, x.shape[1]), 0x7F, dtype=torch.uint8, device="cuda").view(fp8)
+    na.dbias_dactivation_backward(name, dy, x, bias, high_precision=False, fp8_dtype=fp8, scale=scale,
+                                  fp8_out=big[1:1 + shape[0]])
+    assert torch.equal(big[1:1 + shape[0]].view(torch.uint8), data.view(torch.uint8))
+    assert (big[0].view(torch.uint8) == 0x7F).all() and (big[1 + shape[0]:].view(torch.uint8) == 0x7F).all()
+
+
+def test_backward_rows_path_amax_propagates_nan():
+    x, _, dy = _inputs("swiglu", (33, 64), torch.bfloat16, False)
+    dy[5, 7] = float("nan")
+    amax = torch.tensor([1e6], device="cuda")
+    scale = torch.tensor([1.0], device="cuda")
+    na.dbias_dactivation_backward("swiglu", dy, x, None, high_precision=False, fp8_dtype=torch.float8_e4m3fn,
+                                  scale=scale, amax_out=amax)
+    assert torch.isnan(amax).item()
+
+
 @pytest.mark.parametrize("name", ["gelu", "swiglu"])
 def test_fp8_entry_points_match_quantize(name):
     from te_parallel.ops.cast import quantize
