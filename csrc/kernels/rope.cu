@@ -101,10 +101,15 @@ tep_status launch(const tep_rope_params& p, cudaStream_t stream) {
   const size_t smem = 2 * sizeof(float) * static_cast<size_t>(p.rot);
   const long long rows = rows_per_block(p);
   const long long blocks = p.s * ((p.b + rows - 1) / rows);
+  auto run = [&](auto kernel) {
+    if (smem > 48 * 1024)  // (rot > 6144: the angles take more than the default 48 KB)
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, static_cast<int>(rows));
+  };
   if (vectorizable<T>(p)) {
-    rope_kernel<T, 16 / sizeof(T)><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, static_cast<int>(rows));
+    run(rope_kernel<T, 16 / sizeof(T)>);
   } else {
-    rope_kernel<T, 1><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, static_cast<int>(rows));
+    run(rope_kernel<T, 1>);
   }
   const cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) return TEP_SUCCESS;

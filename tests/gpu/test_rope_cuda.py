@@ -53,6 +53,27 @@ def test_rope_kernel_vs_fp64(dtype, fmt, rot_frac, offset):
         assert torch.equal(out[..., rot:], q.detach()[..., rot:])
 
 
+@pytest.mark.parametrize("s, b, h, d", [(513, 1, 1, 128), (100, 2, 3, 64), (37, 5, 1, 32), (5, 2, 1, 8192)],
+                         ids=["one-key-head", "batch-2", "batch-5", "rot-8192"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_kernel_few_pairs_and_long_rot(s, b, h, d, dtype):
+    """Few pairs per (s, b) row (a key head at batch 1; a block of several batch rows, batch 5 with one
+    head), and rot = 8192, whose angles take 64 KB of shared memory. Every output and gradient element
+    against fp64 (no row or position skipped)."""
+    torch.manual_seed(1)
+    freqs = te.RotaryPositionEmbedding(d).cuda()(s + 3)
+    x = torch.randn(s, b, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    out = te.apply_rotary_pos_emb(x, freqs, "sbhd")
+    xd = x.detach().double().requires_grad_()
+    ref = rope_torch(xd, freqs[:s].double())
+    err = (out.double() - ref).abs() / ref.abs().amax(dim=-1, keepdim=True)
+    assert err.max().item() < ULP[dtype], f"worst at {divmod(err.argmax().item(), b * h * d)}"
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad.double())
+    assert _max_rel(x.grad, xd.grad) < 2 * ULP[dtype]
+
+
 def test_layer_with_rope_uses_the_kernel(monkeypatch):
     """A Llama-style TransformerLayer's q and k go through the kernel (one call each way per tensor)."""
     from te_parallel.native import rope as native_rope
