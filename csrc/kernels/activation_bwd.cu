@@ -3,7 +3,7 @@
 // wgrad (dx transposed) GEMMs. dbias is deterministic: the main kernel writes one fp32 partial sum per
 // (64-row tile, column) into the workspace, a second small kernel adds the partials of each column in
 // a fixed order.
-#include "activation.cuh"
+#include "activation_bwd.cuh"
 
 namespace tile = tep::tile;
 namespace act = tep::act;

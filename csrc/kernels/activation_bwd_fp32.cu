@@ -1,6 +1,6 @@
 // fp32 instantiation of the bias + activation backward kernels (activation.cuh), in its own translation
 // unit so that a parallel build compiles it beside the 2-byte ones.
-#include "activation.cuh"
+#include "activation_bwd.cuh"
 
 namespace tep {
 namespace act {

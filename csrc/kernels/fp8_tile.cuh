@@ -164,28 +164,46 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, int64_t c0, in
 // ------------------------------------------------------------------------------------------------
 // Fast-path stores of a full 8x8 sub-tile
 
+// One row of 8 values (exact in T already) into p; vec: one 16-byte store (p 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_row(T* __restrict__ p, const float (&v)[kSub], bool vec) {
+  if (vec) {
+    if constexpr (sizeof(T) == 2) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kSub; ++k) e[k] = from_float<T>(v[k]);
+      *reinterpret_cast<uint4*>(p) = raw;
+    } else {
+      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSub; ++k) p[k] = from_float<T>(v[k]);
+  }
+}
+
 // Rows of v (exact in T already) into dst [.., ld] at (r0, c0); vec: 16-byte stores (aligned layout).
 template <typename T>
 __device__ __forceinline__ void store_rows(T* __restrict__ dst, int64_t ld, int64_t r0, int64_t c0, bool vec,
                                            const float (&v)[kSub][kSub]) {
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
-    T* p = dst + (r0 + i) * ld + c0;
-    if (vec) {
-      if constexpr (sizeof(T) == 2) {
-        uint4 raw;
-        T* e = reinterpret_cast<T*>(&raw);
+  for (int i = 0; i < kSub; ++i) store_row(dst + (r0 + i) * ld + c0, v[i], vec);
+}
+
+// w[h] = FP8 bytes of v[4h..4h+3] * scale: one row of 8.
+template <__nv_fp8_interpretation_t kFmt>
+__device__ __forceinline__ void pack_fp8_row(const float (&v)[kSub], float scale, uint32_t (&w)[2]) {
 #pragma unroll
-        for (int k = 0; k < kSub; ++k) e[k] = from_float<T>(v[i][k]);
-        *reinterpret_cast<uint4*>(p) = raw;
-      } else {
-        reinterpret_cast<float4*>(p)[0] = make_float4(v[i][0], v[i][1], v[i][2], v[i][3]);
-        reinterpret_cast<float4*>(p)[1] = make_float4(v[i][4], v[i][5], v[i][6], v[i][7]);
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < kSub; ++k) p[k] = from_float<T>(v[i][k]);
-    }
+  for (int h = 0; h < 2; ++h)
+    w[h] = fp8x4<kFmt>(v[4 * h] * scale, v[4 * h + 1] * scale, v[4 * h + 2] * scale, v[4 * h + 3] * scale);
+}
+__device__ __forceinline__ void pack_fp8_row(const float (&v)[kSub], float scale, bool e5m2, uint32_t (&w)[2]) {
+  if (e5m2) {
+    pack_fp8_row<__NV_E5M2>(v, scale, w);
+  } else {
+    pack_fp8_row<__NV_E4M3>(v, scale, w);
   }
 }
 
@@ -193,11 +211,7 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, int64_t ld, int6
 template <__nv_fp8_interpretation_t kFmt>
 __device__ __forceinline__ void pack_fp8(const float (&v)[kSub][kSub], float scale, uint32_t (&w)[kSub][2]) {
 #pragma unroll
-  for (int i = 0; i < kSub; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      w[i][h] = fp8x4<kFmt>(v[i][4 * h] * scale, v[i][4 * h + 1] * scale, v[i][4 * h + 2] * scale,
-                            v[i][4 * h + 3] * scale);
+  for (int i = 0; i < kSub; ++i) pack_fp8_row<kFmt>(v[i], scale, w[i]);
 }
 __device__ __forceinline__ void pack_fp8(const float (&v)[kSub][kSub], float scale, bool e5m2,
                                          uint32_t (&w)[kSub][2]) {
