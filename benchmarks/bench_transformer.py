@@ -5,7 +5,7 @@ request), and NVIDIA Transformer Engine's TransformerLayer beside them when it i
 
     python benchmarks/bench_transformer.py [--model gpt|llama] [--hidden --ffn --heads --gqa --seq --batch]
         [--ablate] [--compile [--compile-warmup 5] [--compile-mode reduce-overhead]] [--graph] [--packed]
-        [--json out.json]
+        [--energy SECONDS] [--json out.json]
 
 --model gpt (default): the GPT layer h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1, s2048 b4.
 --model llama: the Llama-3-8B layer h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, no
@@ -27,6 +27,9 @@ second table.
 over its own copy of the layer: captured before the timing, replayed outside fp8_autocast, gradients
 cleared by setting them to None. A recipe make_graphed_callables refuses is left out with the reason printed.
 The compiled and graphed rows are timed in the same rounds as the others.
+--energy SECONDS adds each row's energy per step (common.energy_interleaved, NVML through nvidia-ml-py):
+joules, watts and SM clock over SECONDS of back-to-back steps, in 2 interleaved rounds, and ms_at_limit, the
+joules divided by the GPU's power limit: where a row's ms meets its ms_at_limit, the power limit sets its speed.
 
 "ms": steps issued back to back (a training loop), the median of 5 rounds that each time every row
 (common.time_interleaved); "ms_synced": each step started on an idle GPU.
@@ -58,8 +61,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, Parser, report, te_training_step, time_cuda, time_cuda_stream,  # noqa: E402
-                    time_interleaved, training_step, transformer_engine, with_torch_gemm)
+from common import (OTHER_GEMM_LABEL, Parser, energy_interleaved, nvml_missing, report,  # noqa: E402
+                    te_training_step, time_cuda, time_cuda_stream, time_interleaved, training_step,
+                    transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 
@@ -449,7 +453,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch.compile's mode for the --compile rows")
     ap.add_argument("--graph", action="store_true",
                     help="add te.make_graphed_callables rows (FP8 delayed and current), timed with the others")
+    ap.add_argument("--energy", type=float, default=None, metavar="SECONDS",
+                    help="also measure each row's energy per step over SECONDS of back-to-back steps (NVML)")
     a = ap.parse_args(argv)
+    if a.energy is not None and not 0.5 <= a.energy <= 60:
+        ap.error(f"--energy {a.energy}: seconds per measurement window, between 0.5 and 60")
+    if a.energy is not None and nvml_missing():
+        ap.error(f"--energy {nvml_missing()}")
     if a.model == "gpt" and a.gqa is not None:
         ap.error(f"--gqa {a.gqa}: the gpt layer has no KV groups (--gqa goes with --model llama)")
     for k, v in MODELS[a.model].items():
@@ -473,6 +483,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def add_energy(a, steps: dict, times: dict, rows: list) -> None:
+    """--energy: each row's joules per step, watts and SM clock (common.energy_interleaved), into its row."""
+    if a.energy is None:
+        return
+    got = energy_interleaved(steps, times, seconds=a.energy)
+    base = got[next(iter(got))]["J_per_step"]
+    for row in rows:
+        row.update(got[row["case"]], J_vs_torch=got[row["case"]]["J_per_step"] / base)
+
+
+def report_energy(a, rows: list) -> None:
+    """The second table of --energy."""
+    if a.energy is None:
+        return
+    report(f"Energy per step ({a.energy:g} s of back-to-back steps per row and round, median of 2 rounds; "
+           f"power limit {rows[0]['limit_W']:.0f} W; ms_at_limit = J_per_step / limit)", rows,
+           ["case", "ms_in_window", "J_per_step", "J_vs_torch", "watts", "sm_MHz", "ms_at_limit"], None)
+
+
 def run_packed(a) -> None:
     steps = packed_rows(a, torch.bfloat16)
     times = time_interleaved(steps, warmup=5, iters=5, rounds=5)
@@ -480,8 +509,10 @@ def run_packed(a) -> None:
     for name, step in steps.items():
         got = measure(name, step, rows, times[name], base)
         base = base or got
+    add_energy(a, steps, times, rows)
     report(f"TransformerLayer fwd+bwd (llama, {len(DOCS)} packed documents, {sum(DOCS)} tokens, thd; ms per step "
            "back to back)", rows, COLUMNS, a.json)
+    report_energy(a, rows)
 
 
 def main() -> None:
@@ -507,9 +538,11 @@ def main() -> None:
         got = measure(name, step, rows, times[name], base)
         base = base or got
         rows[-1].update(records.get(name, {}))  # a compiled row's warm-up and recompilations (final by now)
+    add_energy(a, steps, times, rows)
     shape = f"{a.model}: h{a.hidden} ffn{a.ffn} heads{a.heads}/{a.gqa} s{a.seq} b{a.batch}"
     report(f"TransformerLayer fwd+bwd ({shape}, bf16 params; ms per step back to back, ms_synced from an idle GPU)",
            rows, COLUMNS, a.json)
+    report_energy(a, rows)
     if records:
         report("torch.compile rows: warm-up (the compilations) and dynamo graphs compiled after it",
                [dict(case=name, **r) for name, r in records.items()],

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
+import time
 from typing import Callable, Dict, List
 
 import torch
@@ -73,6 +75,79 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int = 5, iter
                 steps[name]()
             samples[name].append(_events_ms(steps[name], iters) / iters)
     return {n: statistics.median(v) for n, v in samples.items()}
+
+
+class EnergyMeter:
+    """The GPU's energy counter, enforced power limit and SM clock, read through NVML (nvidia-ml-py's
+    `pynvml`). At the power limit the clock follows the load: a step then takes about its energy divided by
+    the limit, and a faster kernel helps only by the energy it saves (docs/benchmarks.md, "Energy")."""
+
+    def __init__(self, device: int | None = None) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(torch.cuda.current_device() if device is None else device)
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000
+
+    def joules(self) -> float:
+        """Energy used by the GPU since the driver loaded (NVML counts millijoules)."""
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000
+
+    def sm_mhz(self) -> int:
+        return self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM)
+
+
+def nvml_missing() -> str | None:
+    """Why EnergyMeter cannot run here (None when it can)."""
+    if importlib.util.find_spec("pynvml") is None:
+        return "needs NVIDIA's NVML bindings: pip install nvidia-ml-py"
+    return None
+
+
+def energy_interleaved(steps: Dict[str, Callable[[], None]], ms: Dict[str, float], seconds: float = 3.0,
+                       rounds: int = 2, meter: EnergyMeter | None = None) -> Dict[str, dict]:
+    """Energy per step of each case, in interleaved rounds as time_interleaved: each case runs untimed for a
+    second (its clock settles), then `seconds` of steps back to back (as many as `ms`, its time per step,
+    fits) between two reads of the energy counter, while a thread samples the SM clock every 20 ms. Per case,
+    the medians over rounds of: joules per step, mean watts, mean SM clock, ms per step in the window, and
+    ms_at_limit = joules per step / the power limit (the fastest a step of that energy can run there)."""
+    import threading
+
+    meter = meter or EnergyMeter()
+    names = list(steps)
+    samples: Dict[str, List[tuple]] = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name, step = names[(i + r) % len(names)], steps[names[(i + r) % len(names)]]
+            n = max(1, round(seconds * 1000 / ms[name]))
+            for _ in range(max(1, round(1000 / ms[name]))):
+                step()
+            torch.cuda.synchronize()
+            clocks, stop = [], threading.Event()
+
+            def sample():
+                while not stop.wait(0.02):
+                    clocks.append(meter.sm_mhz())
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            j0, t0 = meter.joules(), time.perf_counter()
+            sampler.start()
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+            j1, t1 = meter.joules(), time.perf_counter()
+            stop.set()
+            sampler.join()
+            samples[name].append(((j1 - j0) / n, (j1 - j0) / (t1 - t0), statistics.fmean(clocks or [meter.sm_mhz()]),
+                                  (t1 - t0) * 1000 / n))
+    out = {}
+    for name, got in samples.items():
+        joules, watts, mhz, step_ms = (statistics.median(v) for v in zip(*got))
+        out[name] = {"J_per_step": joules, "watts": watts, "sm_MHz": mhz, "ms_in_window": step_ms,
+                     "ms_at_limit": joules / meter.limit_w * 1000, "limit_W": meter.limit_w}
+    return out
 
 
 def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None,

@@ -46,6 +46,8 @@ MISTAKES = {
     "transformer: --compile-mode alone": (bench_transformer, ["--compile-mode", "reduce-overhead"],
                                           "--compile-mode reduce-overhead: goes with --compile"),
     "transformer: unknown compile mode": (bench_transformer, ["--compile", "--compile-mode", "fast"], "--compile-mode"),
+    "transformer: energy window too short": (bench_transformer, ["--energy", "0.1"], "--energy 0.1"),
+    "transformer: energy window not a number": (bench_transformer, ["--energy", "long"], "--energy"),
     "profile: --memory with gemm": (profile_step, ["gemm", "--memory"], "not gemm"),
     "profile: --memory with --host": (profile_step, ["layer", "--memory", "--host"], "--memory goes alone"),
     "profile: --memory with --gaps": (profile_step, ["linear", "--memory", "--gaps"], "--memory goes alone"),
@@ -170,3 +172,41 @@ def test_graphed_rows_without_cuda_are_left_out_with_the_reason(capsys):
     assert [line.split(":")[0] for line in lines] == [f"skipping row 'te FP8 {kind}, CUDA graph'"
                                                        for kind in ("delayed", "current")]
     assert all("needs CUDA" in line for line in lines)
+
+
+def test_energy_needs_nvml(monkeypatch, capsys):
+    monkeypatch.setattr(bench_transformer, "nvml_missing", lambda: "needs NVIDIA's NVML bindings: pip install nvidia-ml-py")
+    with pytest.raises(SystemExit) as stop:
+        bench_transformer.parse_args(["--model", "llama", "--energy", "2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "nvidia-ml-py" in err, err
+
+
+def test_energy_per_step_arithmetic(monkeypatch):
+    """common.energy_interleaved on CPU steps and a meter whose counter each step advances by its own joules:
+    every row gets exactly its joules per step, and ms_at_limit is those joules over the limit."""
+    import common
+
+    class Meter:
+        limit_w, used = 500.0, 0.0
+
+        def joules(self):
+            return self.used
+
+        def sm_mhz(self):
+            return 1500
+
+    meter = Meter()
+
+    def step_of(joules):
+        def step():
+            meter.used += joules
+        return step
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    got = common.energy_interleaved({"a": step_of(2.0), "b": step_of(0.25)}, {"a": 100.0, "b": 50.0}, seconds=0.5,
+                                    rounds=2, meter=meter)
+    assert got["a"]["J_per_step"] == 2.0 and got["b"]["J_per_step"] == 0.25
+    assert got["a"]["ms_at_limit"] == pytest.approx(4.0) and got["b"]["ms_at_limit"] == pytest.approx(0.5)
+    assert got["a"]["sm_MHz"] == 1500 and got["a"]["limit_W"] == 500.0
+    assert got["a"]["watts"] > 0 and got["b"]["ms_in_window"] > 0
