@@ -1,6 +1,6 @@
 """FP8 te.Linear fwd+bwd vs torch bf16 nn.Linear, same run, same GPU.
 
-    python benchmarks/bench_linear.py [--shapes 8192x4096x16384 ...] [--json out.json]
+    python benchmarks/bench_linear.py [--shapes 8192x4096x16384 ...] [--energy SECONDS] [--json out.json]
     python benchmarks/bench_linear.py --sweep      (FP8 vs bf16 GPU time over GEMM sizes: min_fp8_gemm="auto")
 
 Rows per shape (tokens × in → out), bf16 activations and weights:
@@ -14,6 +14,8 @@ Rows per shape (tokens × in → out), bf16 activations and weights:
 "ms" is per step with steps issued back to back (as a training loop runs), the median of 7 rounds that
 each time every row (common.time_interleaved: no row gains from its place in the sequence),
 "ms_synced" per step started on an idle GPU (host latency to the first kernel included).
+--energy SECONDS adds each row's joules per step, watts and SM clock over SECONDS of back-to-back steps
+(common.energy_interleaved, NVML through nvidia-ml-py) and ms_at_limit, those joules over the power limit.
 "Weight recast every step" models training (the optimizer changes the weight each step), so the
 weight cast is inside the timing; the speedup column is torch bf16 time / row time.
 """
@@ -27,8 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
-from common import (OTHER_GEMM_LABEL, report, te_training_step, time_cuda,  # noqa: E402
-                    time_interleaved, training_step, transformer_engine, with_torch_gemm)
+from common import (OTHER_GEMM_LABEL, Parser, energy_interleaved, nvml_missing, report,  # noqa: E402
+                    te_training_step, time_cuda, time_interleaved, training_step, transformer_engine,
+                    with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.fp8.gemm_size import intensity  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
@@ -37,7 +40,7 @@ from te_parallel.native import gemm as gemm_kernels  # noqa: E402
 SETTLE = None  # untimed steps before each timed sample (common.time_interleaved; --settle)
 
 
-def bench_shape(m: int, k: int, n: int):
+def bench_shape(m: int, k: int, n: int, energy: float | None = None):
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(m, n, device=dev, dtype=dt)
@@ -63,6 +66,10 @@ def bench_shape(m: int, k: int, n: int):
         rows.append({"shape": f"{m}x{k}->{n}", "case": name, "ms": ms, "tflops": flops / ms / 1e9,
                      "speedup_vs_torch_bf16": base / ms, "ms_synced": synced[name],
                      "synced_speedup": base_synced / synced[name]})
+    if energy is not None:
+        got = energy_interleaved(steps, back_to_back, seconds=energy)
+        for row in rows:
+            row.update(got[row["case"]])
     return rows
 
 
@@ -127,14 +134,36 @@ def break_even(rows, kind: str):
     return best[1:]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="*", default=["8192x4096x16384"])
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: one-line errors before any work."""
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=["8192x4096x16384"], help="tokens x in x out, e.g. 8192x4096x16384")
     ap.add_argument("--sweep", action="store_true", help="FP8 vs bf16 GPU time over GEMM sizes (min_fp8_gemm='auto')")
     ap.add_argument("--settle", type=int, default=None,
                     help="untimed steps before each timed sample (default: as many as are timed)")
+    ap.add_argument("--energy", type=float, default=None, metavar="SECONDS",
+                    help="also measure each row's energy per step over SECONDS of back-to-back steps (NVML)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    a = ap.parse_args(argv)
+    a.sizes = []
+    for text in a.shapes:
+        parts = text.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            ap.error(f"--shapes {text}: a shape is three positive integers, tokens x in x out (8192x4096x16384)")
+        a.sizes.append(tuple(int(p) for p in parts))
+    if a.settle is not None and a.settle < 0:
+        ap.error(f"--settle {a.settle}: a count of steps, 0 or more")
+    if a.energy is not None and not 0.5 <= a.energy <= 60:
+        ap.error(f"--energy {a.energy}: seconds per measurement window, between 0.5 and 60")
+    if a.energy is not None and a.sweep:
+        ap.error("--energy goes with the --shapes rows, not --sweep")
+    if a.energy is not None and nvml_missing():
+        ap.error(f"--energy {nvml_missing()}")
+    return a
+
+
+def main() -> None:
+    args = parse_args()
     global SETTLE
     SETTLE = args.settle
     if not torch.cuda.is_available():
@@ -143,11 +172,14 @@ def main() -> None:
         sweep(args.json)
         return
     rows = []
-    for s in args.shapes:
-        m, k, n = (int(v) for v in s.split("x"))
-        rows += bench_shape(m, k, n)
+    for m, k, n in args.sizes:
+        rows += bench_shape(m, k, n, args.energy)
     report("Linear fwd+bwd (ms per step back to back; ms_synced: each step from an idle GPU)", rows,
            ["shape", "case", "ms", "tflops", "speedup_vs_torch_bf16", "ms_synced", "synced_speedup"], args.json)
+    if args.energy is not None:
+        report(f"Energy per step ({args.energy:g} s of back-to-back steps per row and round, median of 2 rounds; "
+               f"power limit {rows[0]['limit_W']:.0f} W; ms_at_limit = J_per_step / limit)", rows,
+               ["shape", "case", "ms_in_window", "J_per_step", "watts", "sm_MHz", "ms_at_limit"], None)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The command lines of benchmarks/bench_host.py, bench_transformer.py and profile_step.py, and the parts of
-them that run on the CPU.
+"""The command lines of benchmarks/bench_host.py, bench_linear.py, bench_transformer.py and profile_step.py,
+and the parts of them that run on the CPU.
 
 A mistake on either command line: exit status 2 and one line on stderr naming the flag, before any work.
 The steps the GPU runs time are built from the same functions here, on small CPU layers: bench_host's
@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_host  # noqa: E402
+import bench_linear  # noqa: E402
 import bench_transformer  # noqa: E402
 import profile_step  # noqa: E402
 
@@ -48,6 +49,11 @@ MISTAKES = {
     "transformer: unknown compile mode": (bench_transformer, ["--compile", "--compile-mode", "fast"], "--compile-mode"),
     "transformer: energy window too short": (bench_transformer, ["--energy", "0.1"], "--energy 0.1"),
     "transformer: energy window not a number": (bench_transformer, ["--energy", "long"], "--energy"),
+    "linear: shape of two numbers": (bench_linear, ["--shapes", "8192x4096"], "--shapes 8192x4096"),
+    "linear: zero in a shape": (bench_linear, ["--shapes", "8192x0x4096"], "--shapes 8192x0x4096"),
+    "linear: negative settle": (bench_linear, ["--settle", "-1"], "--settle -1"),
+    "linear: energy window too long": (bench_linear, ["--energy", "100"], "--energy 100"),
+    "linear: energy with the sweep": (bench_linear, ["--sweep", "--energy", "2"], "not --sweep"),
     "profile: --memory with gemm": (profile_step, ["gemm", "--memory"], "not gemm"),
     "profile: --memory with --host": (profile_step, ["layer", "--memory", "--host"], "--memory goes alone"),
     "profile: --memory with --gaps": (profile_step, ["linear", "--memory", "--gaps"], "--memory goes alone"),
@@ -74,6 +80,8 @@ def test_defaults():
     llama = bench_transformer.parse_args(["--model", "llama", "--compile", "--graph"])
     assert (llama.hidden, llama.ffn, llama.heads, llama.gqa, llama.seq, llama.batch) == (4096, 14336, 32, 8, 4096, 1)
     assert (llama.compile, llama.graph, llama.compile_warmup) == (True, True, 5)
+    assert bench_linear.parse_args(["--shapes", "64x128x256", "8x16x32"]).sizes == [(64, 128, 256), (8, 16, 32)]
+    assert bench_linear.parse_args([]).sizes == [(8192, 4096, 16384)]
     gpt = bench_transformer.parse_args(["--heads", "16"])
     assert (gpt.heads, gpt.gqa, gpt.ffn) == (16, 16, 16384)
 
@@ -81,7 +89,7 @@ def test_defaults():
 def test_scripts_answer_help():
     procs = {script: subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--help"], cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for script in ("bench_host.py", "bench_transformer.py")}
+             for script in ("bench_host.py", "bench_linear.py", "bench_transformer.py")}
     for script, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0 and out.startswith(f"usage: {script}"), err
