@@ -151,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             ap.error(f"--shapes {text}: a shape is three positive integers, tokens x in x out (8192x4096x16384)")
         a.sizes.append(tuple(int(p) for p in parts))
+    if not a.sizes and not a.sweep:
+        ap.error("--shapes: no shape given; give one or more, tokens x in x out (8192x4096x16384)")
     if a.settle is not None and a.settle < 0:
         ap.error(f"--settle {a.settle}: a count of steps, 0 or more")
     if a.energy is not None and not 0.5 <= a.energy <= 60:

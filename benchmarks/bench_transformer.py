@@ -488,7 +488,7 @@ def add_energy(a, steps: dict, times: dict, rows: list) -> None:
     if a.energy is None:
         return
     got = energy_interleaved(steps, times, seconds=a.energy)
-    base = got[next(iter(got))]["J_per_step"]
+    base = got[rows[0]["case"]]["J_per_step"]  # (the first row is torch's)
     for row in rows:
         row.update(got[row["case"]], J_vs_torch=got[row["case"]]["J_per_step"] / base)
 

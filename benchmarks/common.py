@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import subprocess
+import threading
 import time
 from typing import Callable, Dict, List
 
@@ -80,7 +81,8 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int = 5, iter
 class EnergyMeter:
     """The GPU's energy counter, enforced power limit and SM clock, read through NVML (nvidia-ml-py's
     `pynvml`). At the power limit the clock follows the load: a step then takes about its energy divided by
-    the limit, and a faster kernel helps only by the energy it saves (docs/benchmarks.md, "Energy")."""
+    the limit, and a faster kernel helps only by the energy it saves (docs/benchmarks.md, "Energy at the power
+    limit")."""
 
     def __init__(self, device: int | None = None) -> None:
         import pynvml
@@ -113,8 +115,6 @@ def energy_interleaved(steps: Dict[str, Callable[[], None]], ms: Dict[str, float
     fits) between two reads of the energy counter, while a thread samples the SM clock every 20 ms. Per case,
     the medians over rounds of: joules per step, mean watts, mean SM clock, ms per step in the window, and
     ms_at_limit = joules per step / the power limit (the fastest a step of that energy can run there)."""
-    import threading
-
     meter = meter or EnergyMeter()
     names = list(steps)
     samples: Dict[str, List[tuple]] = {n: [] for n in names}

@@ -51,6 +51,7 @@ MISTAKES = {
     "transformer: energy window not a number": (bench_transformer, ["--energy", "long"], "--energy"),
     "linear: shape of two numbers": (bench_linear, ["--shapes", "8192x4096"], "--shapes 8192x4096"),
     "linear: zero in a shape": (bench_linear, ["--shapes", "8192x0x4096"], "--shapes 8192x0x4096"),
+    "linear: no shape": (bench_linear, ["--shapes"], "no shape given"),
     "linear: negative settle": (bench_linear, ["--settle", "-1"], "--settle -1"),
     "linear: energy window too long": (bench_linear, ["--energy", "100"], "--energy 100"),
     "linear: energy with the sweep": (bench_linear, ["--sweep", "--energy", "2"], "not --sweep"),
