@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
 from common import (OTHER_GEMM_LABEL, Parser, energy_interleaved, nvml_missing, report,  # noqa: E402
-                    te_training_step, time_cuda, time_interleaved, training_step, transformer_engine,
+                    report_energy, te_training_step, time_cuda, time_interleaved, training_step, transformer_engine,
                     with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.fp8.gemm_size import intensity  # noqa: E402
@@ -179,9 +179,7 @@ def main() -> None:
     report("Linear fwd+bwd (ms per step back to back; ms_synced: each step from an idle GPU)", rows,
            ["shape", "case", "ms", "tflops", "speedup_vs_torch_bf16", "ms_synced", "synced_speedup"], args.json)
     if args.energy is not None:
-        report(f"Energy per step ({args.energy:g} s of back-to-back steps per row and round, median of 2 rounds; "
-               f"power limit {rows[0]['limit_W']:.0f} W; ms_at_limit = J_per_step / limit)", rows,
-               ["shape", "case", "ms_in_window", "J_per_step", "watts", "sm_MHz", "ms_at_limit"], None)
+        report_energy(rows, args.energy, ["shape", "case"])
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
 from common import (OTHER_GEMM_LABEL, Parser, energy_interleaved, nvml_missing, report,  # noqa: E402
-                    te_training_step, time_cuda, time_cuda_stream, time_interleaved, training_step,
+                    report_energy, te_training_step, time_cuda, time_cuda_stream, time_interleaved, training_step,
                     transformer_engine, with_torch_gemm)
 from te_parallel import recipe  # noqa: E402
 from te_parallel.native import gemm as gemm_kernels  # noqa: E402
@@ -493,15 +493,6 @@ def add_energy(a, steps: dict, times: dict, rows: list) -> None:
         row.update(got[row["case"]], J_vs_torch=got[row["case"]]["J_per_step"] / base)
 
 
-def report_energy(a, rows: list) -> None:
-    """The second table of --energy."""
-    if a.energy is None:
-        return
-    report(f"Energy per step ({a.energy:g} s of back-to-back steps per row and round, median of 2 rounds; "
-           f"power limit {rows[0]['limit_W']:.0f} W; ms_at_limit = J_per_step / limit)", rows,
-           ["case", "ms_in_window", "J_per_step", "J_vs_torch", "watts", "sm_MHz", "ms_at_limit"], None)
-
-
 def run_packed(a) -> None:
     steps = packed_rows(a, torch.bfloat16)
     times = time_interleaved(steps, warmup=5, iters=5, rounds=5)
@@ -512,7 +503,8 @@ def run_packed(a) -> None:
     add_energy(a, steps, times, rows)
     report(f"TransformerLayer fwd+bwd (llama, {len(DOCS)} packed documents, {sum(DOCS)} tokens, thd; ms per step "
            "back to back)", rows, COLUMNS, a.json)
-    report_energy(a, rows)
+    if a.energy is not None:
+        report_energy(rows, a.energy, ["case"], ["J_vs_torch"])
 
 
 def main() -> None:
@@ -542,7 +534,8 @@ def main() -> None:
     shape = f"{a.model}: h{a.hidden} ffn{a.ffn} heads{a.heads}/{a.gqa} s{a.seq} b{a.batch}"
     report(f"TransformerLayer fwd+bwd ({shape}, bf16 params; ms per step back to back, ms_synced from an idle GPU)",
            rows, COLUMNS, a.json)
-    report_energy(a, rows)
+    if a.energy is not None:
+        report_energy(rows, a.energy, ["case"], ["J_vs_torch"])
     if records:
         report("torch.compile rows: warm-up (the compilations) and dynamo graphs compiled after it",
                [dict(case=name, **r) for name, r in records.items()],

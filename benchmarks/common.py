@@ -120,7 +120,8 @@ def energy_interleaved(steps: Dict[str, Callable[[], None]], ms: Dict[str, float
     samples: Dict[str, List[tuple]] = {n: [] for n in names}
     for r in range(rounds):
         for i in range(len(names)):
-            name, step = names[(i + r) % len(names)], steps[names[(i + r) % len(names)]]
+            name = names[(i + r) % len(names)]
+            step = steps[name]
             n = max(1, round(seconds * 1000 / ms[name]))
             for _ in range(max(1, round(1000 / ms[name]))):
                 step()
@@ -148,6 +149,14 @@ def energy_interleaved(steps: Dict[str, Callable[[], None]], ms: Dict[str, float
         out[name] = {"J_per_step": joules, "watts": watts, "sm_MHz": mhz, "ms_in_window": step_ms,
                      "ms_at_limit": joules / meter.limit_w * 1000, "limit_W": meter.limit_w}
     return out
+
+
+def report_energy(rows: List[Dict], seconds: float, lead: List[str], ratios: List[str] = ()) -> None:
+    """The table of energy_interleaved's fields in `rows` (2 rounds): the `lead` columns first, the `ratios`
+    columns after J_per_step."""
+    report(f"Energy per step ({seconds:g} s of back-to-back steps per row and round, median of 2 rounds; "
+           f"power limit {rows[0]['limit_W']:.0f} W; ms_at_limit = J_per_step / limit)", rows,
+           [*lead, "ms_in_window", "J_per_step", *ratios, "watts", "sm_MHz", "ms_at_limit"], None)
 
 
 def training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fp8_recipe=None,
