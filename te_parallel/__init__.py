@@ -22,6 +22,7 @@ from te_parallel.module import (
     TransformerLayer,
     apply_rotary_pos_emb,
 )
+from te_parallel.parallel.clip import clip_grad_norm_, get_total_norm
 from te_parallel.parallel.dcp import dcp_state_dict, load_dcp_state_dict
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig, initialize_ub
 from te_parallel.parallel.random import CudaRNGStatesTracker
@@ -47,7 +48,9 @@ __all__ = [
     "CommOverlap",
     "OverlapConfig",
     "checkpoint",
+    "clip_grad_norm_",
     "dcp_state_dict",
+    "get_total_norm",
     "load_dcp_state_dict",
     "to_te_state_dict",
     "from_te_state_dict",

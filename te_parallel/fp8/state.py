@@ -192,6 +192,9 @@ class FP8ScalingState(nn.Module):
         with torch.no_grad():
             self.update_count.copy_(torch.tensor(self._count_host, dtype=torch.int64))
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:
+            for name in ("fwd_amax_history", "bwd_amax_history"):
+                destination[prefix + name] = AnyLengthHistory.of(destination[prefix + name])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -229,3 +232,25 @@ class FP8ScalingState(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._count_host = [int(v) for v in self.update_count.tolist()]
+
+
+class AnyLengthHistory(torch.Tensor):
+    """An amax history in a state dict: a plain tensor to everything but torch.distributed.checkpoint,
+    which stores it as bytes and loads it whole, replacing the entry. A model whose recipe has another
+    amax_history_len (or that has not run under its recipe yet: 1024 rows) then loads it and adopts the
+    saved length in load_state_dict, where a tensor entry would fail DCP's shape check."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # results of operations are plain tensors
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "AnyLengthHistory":
+        return t.as_subclass(AnyLengthHistory)
+
+    def __create_write_items__(self, fqn: str, obj):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)  # pickled (torch.save, DCP) as a plain tensor

@@ -25,6 +25,7 @@ from te_parallel.ops.fp8_weight import weight_operand
 from te_parallel.ops.linear import LinearFunction, LinearParallel, residual_in_gemm
 from te_parallel.ops.norm import apply_norm, check_normalization, fp8_norm_fused, norm_fp8
 from te_parallel.parallel.collectives import all_reduce_grad
+from te_parallel.parallel.dcp import register_whole_tensor_hooks
 from te_parallel.parallel.groups import check_divisible, check_scatter_dim, group_size
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig
 from te_parallel.parallel.overlap import initialize_ub  # noqa: F401  (TE's te.module.base.initialize_ub)
@@ -253,6 +254,10 @@ class FP8Module(nn.Module):
 class GemmModule(FP8Module, TensorParallelMixin):
     """Base of Linear, LayerNormLinear and LayerNormMLP: how each of their GEMMs is split over the TP
     group (`_linear_parallel`) and run (`_gemm_plan`, `_linear_forward`)."""
+
+    def _init_tp(self, owner: str, tp_group, tp_size: int, sequence_parallel: bool) -> None:
+        super()._init_tp(owner, tp_group, tp_size, sequence_parallel)
+        register_whole_tensor_hooks(self)  # state_dict() holds TP shards as whole tensors (parallel/dcp.py)
 
     def _check_tp_ready(self, device: torch.device) -> None:
         if not self._tp_checked:  # (the first forward's checks; a meta module fails them until materialised)

@@ -40,31 +40,58 @@ Chunk = Tuple[Tuple[int, ...], Tuple[int, ...], torch.Tensor]  # (offsets in the
 
 
 class GlobalShards(torch.Tensor):
-    """A state-dict entry for DCP: a tensor of the full (TP=1) shape `full_shape` of which this rank
-    holds `chunks`, (offsets, sizes, view of the local tensor) each. `source` is the state-dict value it
+    """A state-dict entry for DCP: a tensor of the full (TP=1) shape of `layout` of which this rank
+    holds `chunks`, (offsets, sizes, view of the local tensor) each (`shard_layout`: the ShardLayout). `source` is the state-dict value it
     was made from (the parameter, its FSDP2 DTensor, or an optimizer state tensor): what DCP writes
-    into the views on load is already in `source`. Only DCP's checkpoint protocol is defined on it."""
+    into the views on load is already in `source`. Defined on it: DCP's checkpoint protocol,
+    `to_local()` and `full_tensor()` (over `group`, the module's TP group); any other tensor operation,
+    and pickling, raise (they would see one rank's shard)."""
 
     # _make_wrapper_subclass and _disabled_torch_function_impl: the standard hooks of a tensor subclass
     # without storage of its own (DTensor is built on them), in every torch version supported.
     @staticmethod
-    def __new__(cls, source: torch.Tensor, full_shape: Sequence[int], chunks: Sequence[Chunk]):
+    def __new__(cls, source: torch.Tensor, layout: ShardLayout, chunks: Sequence[Chunk],
+                group: Optional[dist.ProcessGroup] = None):
         local = source.to_local() if isinstance(source, DTensor) else source
-        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(full_shape), dtype=local.dtype,
+        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(layout.full_shape), dtype=local.dtype,
                                                   device=local.device, requires_grad=False)
-        out.source, out.chunks = source, list(chunks)
+        out.source, out.shard_layout, out.chunks, out.group = source, layout, list(chunks), group
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"GlobalShards is a checkpoint entry for torch.distributed.checkpoint only; {func} is not "
-                        f"defined on it (load it with te_parallel.load_dcp_state_dict, or use .source)")
+        raise TypeError(f"GlobalShards is a checkpoint entry of a TP-sharded parameter, for torch.distributed."
+                        f"checkpoint and load_state_dict only; {func} is not defined on it: use .to_local() for this "
+                        f"rank's shard or .full_tensor() for the whole tensor")
 
-    def __repr__(self) -> str:
-        spans = ", ".join(f"{tuple(o)}+{tuple(s)}" for o, s, _ in self.chunks)
-        return f"GlobalShards(shape={tuple(self.shape)}, dtype={self.dtype}, chunks=[{spans}])"
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a TP-sharded state-dict entry (full shape {tuple(self.shape)}) cannot be pickled: torch.save "
+                        f"would keep one rank's shard; save with torch.distributed.checkpoint (dcp.save), or pickle "
+                        f".to_local() (this rank's shard) or .full_tensor() (the whole tensor)")
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard as the module holds it: the TP-local tensor, or its FSDP2 DTensor."""
+        return self.source
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole (TP=1) tensor, assembled on every rank from every TP rank's shard (and, under FSDP2,
+        its data-parallel shards): collectives over the TP group (and the FSDP2 mesh)."""
+        local = (self.source.full_tensor() if isinstance(self.source, DTensor) else self.source).detach()
+        layouts, locals_ = [self.shard_layout], [local]
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            size = dist.get_world_size(self.group)
+            layouts = [None] * size
+            dist.all_gather_object(layouts, self.shard_layout, group=self.group)
+            locals_ = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(locals_, local.contiguous(), group=self.group)
+        full = torch.empty(self.shape, dtype=local.dtype, device=local.device)
+        for layout, rank_local in zip(layouts, locals_):
+            lead = (slice(None),) * layout.dim
+            for local_index, full_index in layout.global_slices():
+                full[full_index] = rank_local[lead + (local_index,)]
+        return full
 
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
@@ -105,7 +132,8 @@ def global_chunks(layout: ShardLayout, offsets: Sequence[int], sizes: Sequence[i
     return out
 
 
-def global_shards(name: str, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+def global_shards(name: str, value: torch.Tensor, layout: ShardLayout,
+                  group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """`value` (a TP-local tensor, or its FSDP2 DTensor) as a GlobalShards in full-tensor coordinates;
     `value` itself where the layout is replicated (DCP then keeps one copy of what every rank holds)."""
     if layout.dim is None:
@@ -120,7 +148,64 @@ def global_shards(name: str, value: torch.Tensor, layout: ShardLayout) -> torch.
         local, offsets, sizes = value, (0,) * value.dim(), tuple(value.shape)
     chunks = [(off, size, local.narrow(layout.dim, start, size[layout.dim]))
               for off, size, start in global_chunks(layout, offsets, sizes)]
-    return GlobalShards(value, layout.full_shape, chunks)
+    return GlobalShards(value, layout, chunks, group)
+
+
+# -- state_dict() of a TP-sharded module: whole tensors for PyTorch's own tools -----------------------
+
+def register_whole_tensor_hooks(module: nn.Module) -> None:
+    """Make `module.state_dict()` hold each of its TP-sharded parameters as a GlobalShards in full-tensor
+    coordinates, and `module.load_state_dict()` take such entries back (a state dict of the same TP
+    layout, as DCP's load leaves it). The module answers `tp_shard_layouts()` and has `tp_group`; its
+    `whole_tensor_state_dict` (True by default) switches this off, for clients that expect each rank's
+    plain shard (compat: TE's layout, which Megatron's sharded_state_dict reads)."""
+    module.whole_tensor_state_dict = True
+    module._register_state_dict_hook(_global_entries)
+    module._register_load_state_dict_pre_hook(_local_entries, with_module=True)
+
+
+def _sharded_layouts(module: nn.Module) -> Dict[str, ShardLayout]:
+    """The module's parameters that are split across TP ranks (none at TP=1). A module built for TP>1
+    that has no group yet raises: where its shards sit is unknown."""
+    if not module.whole_tensor_state_dict:
+        return {}
+    return {n: lay for n, lay in module.tp_shard_layouts().items() if lay.local_shape != lay.full_shape}
+
+
+def _global_entries(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: this module's TP-sharded parameters as GlobalShards, and FP8 weights
+    (quantized_model_init) as their high-precision values, which any model loads and DCP stores like any
+    weight. Parameters themselves (keep_vars=True: a caller that wants the objects) are left as they are."""
+    if not module.whole_tensor_state_dict:
+        return
+    layouts = _sharded_layouts(module)
+    for name in module._parameters:
+        key = prefix + name
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, (nn.Parameter, GlobalShards)):
+            continue
+        value = _high_precision(value)
+        layout = layouts.get(name)
+        state_dict[key] = value if layout is None else global_shards(key, value, layout, module.tp_group)
+
+
+def _local_entries(module: nn.Module, state_dict, prefix: str, local_metadata, strict, missing_keys,
+                   unexpected_keys, error_msgs) -> None:
+    """load_state_dict pre-hook: a GlobalShards entry of this module's layout loads as its local shard
+    (what DCP wrote into it in place, or another model's shard of the same layout); one of another
+    TP layout is refused, since its local data is not this rank's part of the tensor."""
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, GlobalShards):
+            continue
+        layout = _sharded_layouts(module).get(name)
+        if layout is None or value.shard_layout != layout:
+            have = "unsharded" if layout is None else f"{layout.full_shape} split on dim {layout.dim} {layout.pieces}"
+            raise ValueError(f"load_state_dict: {prefix + name} is a TP shard ({value.shard_layout.full_shape} split on dim "
+                             f"{value.shard_layout.dim} {value.shard_layout.pieces}) of another layout than this rank's ({have}); "
+                             f"load across TP layouts with torch.distributed.checkpoint (dcp.load into this model's "
+                             f"state_dict(), then load_state_dict)")
+        state_dict[prefix + name] = value.source
 
 
 def dcp_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -139,7 +224,7 @@ def dcp_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     if not isinstance(model, nn.Module):
         raise TypeError(f"dcp_state_dict: model must be an nn.Module, got {type(model).__name__}")
     layouts = model_layouts(model)
-    model_sd = dict(get_model_state_dict(model))
+    model_sd = _sources(dict(get_model_state_dict(model)))  # the TP-local entries, wrapped below with the rest
     missing = sorted(set(layouts) - set(model_sd))
     if missing:
         raise ValueError(f"dcp_state_dict: parameters {missing[:3]} are not in the model's state dict; "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from te_parallel.parallel.collectives import reduce_from_tp, reduce_scatter_to_sp
+from te_parallel.parallel.dcp import register_whole_tensor_hooks
 from te_parallel.parallel.groups import as_group, check_divisible, group_rank, group_size
 
 
@@ -32,6 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_local, embedding_dim, device=device,
                                                dtype=params_dtype or torch.get_default_dtype()))
         (init_method or (lambda w: nn.init.normal_(w, 0.0, 0.02)))(self.weight)
+        register_whole_tensor_hooks(self)  # state_dict() holds the table's shard as the whole table
 
     def tp_shard_layouts(self):
         """This rank's rows of the full [num_embeddings, dim] table (te_parallel.parallel.sharding)."""

@@ -87,6 +87,7 @@ class TransformerEngineBaseModule:
         state = self._modules.get("fp8_state")
         if state is not None:
             state.in_extra_state = True  # TE's layout: the FP8 state travels in _extra_state
+        self.whole_tensor_state_dict = False  # TE's layout: each rank's plain shard (Megatron's sharded_state_dict)
         if self.delay_wgrad_compute:
             self._hold_wgrads()
         self._mark_tensor_parallel()
