@@ -40,9 +40,10 @@ Chunk = Tuple[Tuple[int, ...], Tuple[int, ...], torch.Tensor]  # (offsets in the
 
 
 class GlobalShards(torch.Tensor):
-    """A state-dict entry for DCP: a tensor of the full (TP=1) shape of `layout` of which this rank
-    holds `chunks`, (offsets, sizes, view of the local tensor) each (`shard_layout`: the ShardLayout). `source` is the state-dict value it
-    was made from (the parameter, its FSDP2 DTensor, or an optimizer state tensor): what DCP writes
+    """A state-dict entry for DCP: a tensor of the full (TP=1) shape of `layout` (kept as `shard_layout`)
+    of which this rank holds `chunks`, (offsets, sizes, view of the local tensor) each. `source` is the
+    state-dict value it was made from (the parameter, its FSDP2 DTensor, or an optimizer state tensor):
+    what DCP writes
     into the views on load is already in `source`. Defined on it: DCP's checkpoint protocol,
     `to_local()` and `full_tensor()` (over `group`, the module's TP group); any other tensor operation,
     and pickling, raise (they would see one rank's shard)."""
@@ -80,7 +81,10 @@ class GlobalShards(torch.Tensor):
         its data-parallel shards): collectives over the TP group (and the FSDP2 mesh)."""
         local = (self.source.full_tensor() if isinstance(self.source, DTensor) else self.source).detach()
         layouts, locals_ = [self.shard_layout], [local]
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        if self.group is None:
+            raise ValueError(f"GlobalShards.full_tensor: this entry (full shape {tuple(self.shape)}) was made "
+                             f"without its TP group; take it from the module's state_dict() to gather it")
+        if dist.get_world_size(self.group) > 1:
             size = dist.get_world_size(self.group)
             layouts = [None] * size
             dist.all_gather_object(layouts, self.shard_layout, group=self.group)
