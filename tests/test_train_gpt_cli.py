@@ -2,8 +2,10 @@
 
 Every mistake: exit status 2, one error line on stderr naming the flag (at most 3 lines in all), no
 traceback, and no process started (nothing printed on stdout, no output directory). The mistakes run as subprocesses, all at
-once. Two tiny real runs check that a second run never overwrites the first, that the last line
-names every file written, and that --resume refuses other sizes before starting anything.
+once. Tiny real runs check that a second run never overwrites the first, that the last line names
+every file written, that --resume refuses other sizes before starting anything, that a run shows no
+validation loss before its first evaluation, and that FP8 takes a token count that is not a multiple
+of 16.
 """
 import json
 import os
@@ -44,6 +46,14 @@ MISTAKES = {
     "not a number": (["--tp", "two"], "--tp"),
     "unknown flag": (["--hiden", "64"], "--hiden"),
     "unknown data-parallel engine": (["--dp-engine", "fsdp"], "--dp-engine"),
+    "warmup beyond the steps": (["--warmup", "500", "--steps", "5"],
+                                "--warmup 500 is not less than --steps 5: the learning rate would still be warming up "
+                                "at the last step; use --warmup 4 or less, or --steps 501 or more"),
+
+    "stop after the end": (["--stop-after", "500", "--steps", "5"],
+                           "--stop-after 500 is more than --steps 5; use --stop-after 5 or less, or drop --stop-after"),
+    "negative gradient clipping": (["--clip-grad", "-1"], "--clip-grad -1.0 must be a positive number"),
+    "gradient clipping not a number": (["--clip-grad", "nan"], "--clip-grad nan must be a positive number"),
 }
 if not torch.cuda.is_available():
     MISTAKES["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
@@ -173,6 +183,10 @@ def test_resume_with_other_sizes_is_refused(first_run, tmp_path):
     (unfinished / ".metadata").write_bytes((ckpt / ".metadata").read_bytes())
     legacy.mkdir()
     (legacy / "rank0.pt").write_bytes(b"")
+    result = _run(TINY + ["--resume", str(ckpt), "--stop-after", "2", "--out", str(tmp_path / "o")], cwd, timeout=60)
+    _assert_one_line_error((result.returncode, result.stdout, result.stderr, tmp_path / "o"),
+                           f"--stop-after 2 is more than the steps left from step 2 of --resume {ckpt} to --steps 3 "
+                           f"(1); use --stop-after 1 or less")
     for directory, needle in ((unfinished, "has no config.json: its save did not finish"),
                               (legacy, "earlier version of this trainer")):
         result = _run(TINY + ["--resume", str(directory), "--out", str(tmp_path / "o")], cwd, timeout=60)
@@ -241,3 +255,48 @@ def test_mfu_counts_model_flops_against_the_datasheet_peak(monkeypatch):
     assert mfu(4e15, 2.0, 1e15, 4) == 0.5 and mfu(4e15, 2.0, None, 4) is None
     log = [{"tokens_per_s": 10.0 * (i + 1), "mfu": None} for i in range(3)]
     assert summary(log, None, 2, "fp32", torch.device("cpu")) == "25 tokens/s, MFU n/a on the CPU"
+
+
+def test_no_validation_loss_before_the_first_evaluation(tmp_path):
+    """A run stopped before its first evaluation shows no validation loss: none in the progress bar
+    (which shows the gradient norm), none in the closing summary."""
+    shown = [a for a in TINY if a != "--quiet"]
+    result = _run(shown + ["--eval-every", "5", "--stop-after", "2", "--out", str(tmp_path / "o")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "val=" not in result.stderr, result.stderr[-3000:]  # tqdm writes to stderr
+    assert "loss=" in result.stderr and "gnorm=" in result.stderr, result.stderr[-3000:]
+    summary = next(line for line in result.stdout.splitlines() if "train loss" in line)
+    assert "validation" not in summary and "nan" not in result.stdout, result.stdout
+    log = json.loads((tmp_path / "o" / "log.json").read_text())["log"]
+    assert [sorted(r) for r in log] == [["grad_norm", "loss", "mfu", "step", "tokens_per_s"]] * 2
+
+
+def test_plot_has_no_validation_entry_before_an_evaluation(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from te_parallel.examples.plot import plot_runs
+
+    legends = []  # each saved figure's legend entries
+
+    def save(fig, *args, **kwargs):
+        legends.append([text.get_text() for text in fig.axes[0].get_legend().get_texts()])
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", save)
+    log = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}]
+    plot_runs({"run": log}, tmp_path / "loss.png")
+    plot_runs({"run": log + [{"step": 3, "loss": 4.0, "val_loss": 4.2}]}, tmp_path / "loss.png")
+    train, val = "run: train (each step's batch)", "run: validation (held-out text)"
+    assert legends == [[train], [train, val]]
+
+
+def test_fp8_help_states_the_rule_that_is_checked(tmp_path):
+    """FP8 needs in and out features that are multiples of 16, not token counts: the --fp8 help says so,
+    and an FP8 run of --seq-len 15 x --micro-batch 3 = 45 tokens per GEMM trains."""
+    fp8_help = next(action.help for action in build_parser("")._actions if action.dest == "fp8")
+    assert "every dimension" not in fp8_help and "Any token count runs" in fp8_help, fp8_help
+    out = tmp_path / "o"
+    result = _run(TINY + ["--nproc", "1", "--tp", "1", "--fp8", "delayed", "--seq-len", "15", "--micro-batch", "3",
+                          "--out", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fp8 delayed" in result.stdout.splitlines()[0]
+    assert len(json.loads((out / "log.json").read_text())["log"]) == 3

@@ -9,16 +9,18 @@ their full-sequence output, so every GEMM still sees all M tokens):
     FFN fc1 (column)  M x H  ->  F/T         FFN fc2       (row)  M x F/T -> H
     output  (column)  M x H  ->  256/T  (the byte vocabulary)
 
-Forward, dgrad and wgrad use the same three numbers, and FP8 GEMMs need each to be a multiple of
-16: H/T, F/T, 256/T and M (H and 3H/T follow from H/T). With --overlap each GEMM is cut into the TP
-ranks' pieces of M/T tokens, so M/T must be one too. Without FP8 only the divisibility rules hold.
+Forward, dgrad and wgrad use the same three numbers. FP8 GEMMs need in and out features that are
+multiples of 16: H/T, F/T and 256/T (H and 3H/T follow from H/T). Any M runs (the GEMM zero-pads a
+token count that is not a multiple of 16), except with --overlap, which cuts each GEMM into the TP
+ranks' pieces of M/T tokens, each a GEMM of its own: M/T must be a multiple of 16. Without FP8 only the
+divisibility rules hold.
 """
 from __future__ import annotations
 
 import math
 from typing import Callable, Iterable, List, Optional
 
-from te_parallel.examples.cli import CliError
+from te_parallel.examples.cli import CliError, warmup_steps
 from te_parallel.examples.data import MIN_CORPUS_BYTES, VAL_FRACTION, VOCAB
 
 FP8_MULTIPLE = 16
@@ -51,7 +53,7 @@ def check_numbers(args) -> None:
         value = getattr(args, name)
         if value < 1:
             raise CliError(f"--{name.replace('_', '-')} {value} must be a positive integer")
-    if args.warmup < 0:
+    if args.warmup is not None and args.warmup < 0:
         raise CliError(f"--warmup {args.warmup} must be 0 or more (steps of linear warmup)")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise CliError(f"--lr {args.lr} must be a positive number; e.g. --lr 2e-3")
@@ -62,6 +64,21 @@ def check_numbers(args) -> None:
     if args.corpus_bytes < MIN_CORPUS_BYTES:
         raise CliError(f"--corpus-bytes {args.corpus_bytes} is too little text; use --corpus-bytes {MIN_CORPUS_BYTES} "
                        f"or more")
+    if not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
+        raise CliError(f"--clip-grad {args.clip_grad} must be a positive number, the largest global gradient norm, "
+                       f"or 0 for no clipping; e.g. --clip-grad 1.0")
+
+
+def check_schedule(args) -> None:
+    """--warmup and --stop-after against --steps (the steps left of a resumed run: runs.check_resume)."""
+    if args.stop_after is not None and args.stop_after > args.steps:
+        raise CliError(f"--stop-after {args.stop_after} is more than --steps {args.steps}; use --stop-after "
+                       f"{args.steps} or less, or drop --stop-after to run to the end")
+    args.warmup = warmup_steps(args)  # (the default settled here: logs and resumes see the number)
+    if args.warmup >= args.steps:
+        raise CliError(f"--warmup {args.warmup} is not less than --steps {args.steps}: the learning rate "
+                       f"would still be warming up at the last step; use --warmup {args.steps - 1} or less, or "
+                       f"--steps {args.warmup + 1} or more")
 
 
 def _hidden_ok(args, tp: int, hidden: int, heads: int) -> bool:
@@ -93,9 +110,9 @@ def check_tp(args, tp: int, world: int, world_fixed: bool, what: str, can_add: b
         raise CliError(f"--tp {tp} does not divide the vocabulary of {VOCAB} bytes that the embedding and the output "
                        f"layer split; use {_or_list('--tp', valid_tps(args, fixed))}")
     if args.fp8 != "off" and (VOCAB // tp) % FP8_MULTIPLE:
-        raise CliError(f"--tp {tp}: FP8 GEMMs need every dimension to be a multiple of 16, and the output layer's "
-                       f"share of the vocabulary is {VOCAB}/tp = {VOCAB // tp}; use --tp {VOCAB // FP8_MULTIPLE} or "
-                       f"less (or --fp8 off)")
+        raise CliError(f"--tp {tp}: FP8 GEMMs need in and out features that are multiples of 16, and the output "
+                       f"layer's share of the vocabulary is {VOCAB}/tp = {VOCAB // tp}; use "
+                       f"--tp {VOCAB // FP8_MULTIPLE} or less (or --fp8 off)")
 
 
 def _model_fix(args, tp: int, world: Optional[int], tp_reason: bool) -> str:
@@ -134,14 +151,14 @@ def check_model(args, tp: int, world: Optional[int] = None) -> None:
                        f"use {_model_fix(args, tp, world, True)}")
     if args.fp8 != "off" and (h // tp) % FP8_MULTIPLE:
         share = f"with --tp {tp} each rank's share hidden/tp = {h // tp} is one" if tp > 1 else "hidden is one"
-        raise CliError(f"--hidden {h}: FP8 GEMMs need every dimension to be a multiple of 16, and {share}; "
+        raise CliError(f"--hidden {h}: FP8 GEMMs need in and out features that are multiples of 16, and {share}; "
                        f"use {_options(_model_fix(args, tp, world, False), '--fp8 off')}")
     ffns = _or_list("--ffn", nearby(args.ffn, lambda f: f % tp == 0 and _ffn_fp8_ok(args, tp, f)))
     if args.ffn % tp:
         raise CliError(f"--ffn {args.ffn} is not divisible by --tp {tp}; use {ffns}")
     if not _ffn_fp8_ok(args, tp, args.ffn):
         share = f"with --tp {tp} each rank's share ffn/tp = {args.ffn // tp} is one" if tp > 1 else "ffn is one"
-        raise CliError(f"--ffn {args.ffn}: FP8 GEMMs need every dimension to be a multiple of 16, and {share}; "
+        raise CliError(f"--ffn {args.ffn}: FP8 GEMMs need in and out features that are multiples of 16, and {share}; "
                        f"use {_options(ffns, '--fp8 off')}")
 
 

@@ -12,6 +12,12 @@ import sys
 DEFAULT_OUT = "runs/gpt"
 RECIPE_NAMES = ("off", "delayed", "current")
 DP_ENGINES = ("fsdp2", "ddp")  # data_parallel.py builds them
+WARMUP_DEFAULT = 30  # the most warmup steps by default: a tenth of --steps, at most this
+
+
+def warmup_steps(args) -> int:
+    """--warmup, or by default a tenth of --steps, at most WARMUP_DEFAULT."""
+    return min(WARMUP_DEFAULT, args.steps // 10) if args.warmup is None else args.warmup
 
 
 class CliError(ValueError):
@@ -50,8 +56,11 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
                         "by --tp; no effect with --tp 1)")
     g.add_argument("--fp8", choices=RECIPE_NAMES, default=None,
                    help="FP8 scaling recipe of the GEMMs: delayed (scales from an amax history), current (scales "
-                        "from each tensor) or off (bf16/fp32 GEMMs). FP8 GEMMs need every dimension to be a multiple "
-                        "of 16 (default: delayed; off on a GPU without FP8, compute capability below 8.9)")
+                        "from each tensor) or off (bf16/fp32 GEMMs). FP8 GEMMs need in and out features that are "
+                        "multiples of 16: --hidden/--tp, --ffn/--tp and 256/--tp. Any token count runs (one that is "
+                        "not a multiple of 16 is zero-padded inside the GEMM), except under --overlap, whose pieces "
+                        "of --seq-len x --micro-batch / --tp tokens must be multiples of 16 (default: delayed; off "
+                        "on a GPU without FP8, compute capability below 8.9)")
     g.add_argument("--overlap", action="store_true",
                    help="overlap the TP all-gathers/reduce-scatters with the GEMMs (needs --tp > 1 and sequence "
                         "parallelism; on the CPU it runs a point-to-point fallback)")
@@ -76,7 +85,11 @@ def _training_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
     g.add_argument("--lr", type=float, default=2e-3,
                    help="peak AdamW learning rate (linear warmup, cosine decay to 10%%)")
-    g.add_argument("--warmup", type=int, default=30, help="warmup steps")
+    g.add_argument("--warmup", type=int, default=None,
+                   help=f"warmup steps, fewer than --steps (default: a tenth of --steps, at most {WARMUP_DEFAULT})")
+    g.add_argument("--clip-grad", type=float, default=1.0, metavar="MAX_NORM",
+                   help="before each optimizer step, scale the gradients down to this global norm (over every "
+                        "rank's shards) where it is larger; 0 turns clipping off. The norm is logged either way")
     g.add_argument("--eval-every", type=int, default=50,
                    help="steps between validation losses (also after the last step)")
     g.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
@@ -109,7 +122,8 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
                    help="continue from this --save directory, exactly, with the same sizes, --tp and processes "
                         "(default: start from scratch)")
     g.add_argument("--stop-after", type=int, default=None,
-                   help="stop after this many steps of this run and save a checkpoint (default: run to --steps)")
+                   help="stop after this many steps of this run, at most the steps left to --steps, and save a "
+                        "checkpoint (default: run to --steps)")
     g.add_argument("--no-plot", action="store_true", help="do not write loss.png")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -1,5 +1,6 @@
 """Loss curves of one or several runs as a PNG: train loss (thin, every step) and validation loss
-(markers), both in the legend, and an optional note under the axes (why validation can sit below train)."""
+(markers; a run without an evaluation yet has none), both in the legend, and an optional note under
+the axes (why validation can sit below train)."""
 from __future__ import annotations
 
 import textwrap
@@ -21,8 +22,9 @@ def plot_runs(runs: Dict[str, List[dict]], path: Path, title: str = "GPT on Pyth
         ax.plot([r["step"] for r in log], [r["loss"] for r in log], color=color, alpha=0.35, linewidth=0.8,
                 label=f"{prefix}train (each step's batch)")
         val = [r for r in log if "val_loss" in r]
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color=color, markersize=3,
-                label=f"{prefix}validation (held-out text)")
+        if val:  # (none before the first evaluation: no empty legend entry)
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color=color, markersize=3,
+                    label=f"{prefix}validation (held-out text)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title)

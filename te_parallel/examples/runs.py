@@ -23,7 +23,7 @@ SIZE_FLAGS = {"layers": "--layers", "hidden": "--hidden", "heads": "--heads", "f
 # settings that load under any value, but the run then differs from the uninterrupted one
 SETTING_FLAGS = {"fp8": "--fp8", "sequence_parallel": "--sequence-parallel", "seq_len": "--seq-len",
                  "micro_batch": "--micro-batch", "corpus_bytes": "--corpus-bytes", "seed": "--seed", "lr": "--lr",
-                 "warmup": "--warmup", "steps": "--steps", "dropout": "--dropout"}
+                 "warmup": "--warmup", "steps": "--steps", "dropout": "--dropout", "clip_grad": "--clip-grad"}
 
 
 def holds_run(path) -> bool:
@@ -122,6 +122,11 @@ def check_resume(args, nproc: int, launched: bool) -> List[str]:
     if isinstance(step, int) and step >= args.steps:
         raise CliError(f"--resume {args.resume} is at step {step}, and --steps {args.steps} leaves nothing to train; "
                        f"use a larger --steps")
+    if isinstance(step, int) and args.stop_after is not None and args.stop_after > args.steps - step:
+        left = args.steps - step
+        raise CliError(f"--stop-after {args.stop_after} is more than the steps left from step {step} of --resume "
+                       f"{args.resume} to --steps {args.steps} ({left}); use --stop-after {left} or less, or drop "
+                       f"--stop-after to run to the end")
     changed = [f"{_setting(k, getattr(args, k))} (saved: {_setting(k, cfg[k])})" for k in SETTING_FLAGS
                if k in cfg and cfg[k] != getattr(args, k)]
     if changed:

@@ -18,14 +18,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import te_parallel as te
 from te_parallel import recipe
-from te_parallel.examples.checks import check_numbers, check_sizes
-from te_parallel.examples.cli import CliError, build_parser, fail
+from te_parallel.examples.checks import check_numbers, check_schedule, check_sizes
+from te_parallel.examples.cli import CliError, build_parser, fail, warmup_steps
 from te_parallel.examples.checkpoint import load_checkpoint, save_checkpoint
 from te_parallel.examples.data import VOCAB, ByteData
 from te_parallel.examples.data_parallel import apply_data_parallel
@@ -44,6 +46,7 @@ def prepare(args, launch: Launch):
     """Checks every argument and settles the layout, --out and --save, starting nothing; returns
     (layout, notes) or raises CliError."""
     check_numbers(args)
+    check_schedule(args)
     layout = plan_layout(args, launch)
     args.tp, args.nproc, args.device = layout.tp, layout.nproc, layout.device
     args.ffn = args.ffn or 4 * args.hidden
@@ -55,14 +58,24 @@ def prepare(args, launch: Launch):
 
 
 def lr_at(step: int, args) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    warmup = warmup_steps(args)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, args.steps - warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def make_optimizer(params, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: the loss (mean over the data-parallel replicas) and the global gradient norm
+    before clipping (over every parameter's shards on every rank; the same on every rank)."""
+
+    loss: float
+    grad_norm: float
 
 
 class Trainer:
@@ -97,28 +110,38 @@ class Trainer:
             with torch.autocast(**self.autocast):
                 return self.model(ids, targets)
 
-    def train_step(self) -> float:
-        """One optimizer step; the data-parallel engine averages the gradients during backward."""
+    def train_step(self) -> StepResult:
+        """One optimizer step; the data-parallel engine averages the gradients during backward, which
+        are then clipped before the update."""
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, self.args)
         ids, targets = self.data.batch(self.gen, self.args.micro_batch, self.world.device)
         loss = self.loss(ids, targets)
         loss.backward()
+        grad_norm = self.clip_gradients()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        return self.world.dp_mean(loss.detach())
+        return StepResult(self.world.dp_mean(loss.detach()), grad_norm)
+
+    def clip_gradients(self) -> float:
+        """Scales the averaged gradients down to the global norm --clip-grad where theirs is larger
+        (--clip-grad 0: leaves them as they are); returns their norm before that. The norm is the whole
+        model's, the same on every rank: every TP shard and FSDP2 shard once, every whole parameter once."""
+        if self.args.clip_grad == 0:
+            return te.get_total_norm(self.model).item()
+        return te.clip_grad_norm_(self.model, self.args.clip_grad).item()
 
     def timed_step(self) -> dict:
         """train_step, with its tokens/s and MFU (None without a known peak, e.g. on the CPU)."""
         start = time.perf_counter()
-        loss = self.train_step()
+        result = self.train_step()
         if self.world.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens = self.args.seq_len * self.args.micro_batch * self.world.dp
-        return {"step": self.step, "loss": loss, "tokens_per_s": tokens / seconds,
-                "mfu": mfu(self.flops_per_step, seconds, self.peak, self.world.size)}
+        return {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
+                "tokens_per_s": tokens / seconds, "mfu": mfu(self.flops_per_step, seconds, self.peak, self.world.size)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -159,7 +182,7 @@ def train(args, world: World) -> list:
         dp = f" ({args.dp_engine})" if world.dp > 1 else ""
         bar = tqdm(total=args.steps, initial=t.step, desc=f"GPT tp={world.tp} dp={world.dp}{dp} fp8={args.fp8}")
     stop = args.steps if args.stop_after is None else min(args.steps, t.step + args.stop_after)
-    last_val = float("nan")
+    last_val = last_val_loss(t.log)  # (a resumed run's, from its checkpoint)
     while t.step < stop:
         rec = t.timed_step()
         evaluate = t.step % args.eval_every == 0 or t.step == args.steps
@@ -170,9 +193,7 @@ def train(args, world: World) -> list:
             write_log(args, world, t)  # a killed run still leaves its curve so far
         if bar is not None:
             bar.update(1)
-            util = {} if rec["mfu"] is None else {"mfu": f"{100 * rec['mfu']:.1f}%"}
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", val=f"{last_val:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            **util)
+            bar.set_postfix(bar_postfix(rec, last_val))
         if args.save and (t.step % args.save_every == 0 or t.step == stop):
             t.save(args.save)
     if bar is not None:
@@ -183,6 +204,23 @@ def train(args, world: World) -> list:
             print(f"train_gpt: stopped at step {t.step} of {args.steps} (--stop-after {args.stop_after}); saved the "
                   f"checkpoint to {args.save}: continue with --resume {args.save}", flush=True)
     return t.log
+
+
+def last_val_loss(log: list) -> Optional[float]:
+    """The latest validation loss of the log, None before the first evaluation."""
+    return next((r["val_loss"] for r in reversed(log) if "val_loss" in r), None)
+
+
+def bar_postfix(rec: dict, last_val: Optional[float]) -> dict:
+    """The progress bar's numbers after a step: loss, the latest validation loss (once there is one),
+    gradient norm, tokens/s and MFU (where the peak is known)."""
+    postfix = {"loss": f"{rec['loss']:.3f}"}
+    if last_val is not None:
+        postfix["val"] = f"{last_val:.3f}"
+    postfix.update(gnorm=f"{rec['grad_norm']:.3g}", tok_s=f"{rec['tokens_per_s']:.0f}")
+    if rec["mfu"] is not None:
+        postfix["mfu"] = f"{100 * rec['mfu']:.1f}%"
+    return postfix
 
 
 def write_log(args, world: World, t: Trainer) -> Path:
@@ -214,14 +252,15 @@ def write_outputs(args, world: World, t: Trainer) -> None:
     if not args.no_plot:
         from te_parallel.examples.plot import plot_runs
         plot_runs({f"fp8 {args.fp8}, tp={world.tp} dp={world.dp}": log}, out / "loss.png", note=note)
-    vals = [r["val_loss"] for r in log if "val_loss" in r] or [float("nan")]
+    vals = [r["val_loss"] for r in log if "val_loss" in r]  # none before the first evaluation
     recent = [r["loss"] for r in log[-max(1, min(20, len(log) // 10)):]]  # the end of the run, not its start
     train_end = sum(recent) / len(recent)
+    validation = f", validation {vals[0]:.3f} -> {vals[-1]:.3f}" if vals else ""
     print(f"train_gpt: {len(log)} steps; train loss {log[0]['loss']:.3f} -> {train_end:.3f} (mean of the last "
-          f"{len(recent)} steps), validation {vals[0]:.3f} -> {vals[-1]:.3f}", flush=True)
+          f"{len(recent)} steps){validation}", flush=True)
     print(f"train_gpt: {summary(log, t.peak, world.size, gemm_precision(args.fp8, t.precision), world.device)}",
           flush=True)
-    if vals[-1] < train_end:
+    if vals and vals[-1] < train_end:
         print(f"train_gpt: {note}", flush=True)
 
 

@@ -147,8 +147,8 @@ class LayerNormMLP(GemmModule):
         fuse = can_fuse(self.activation, x)
         if fused is not None and fuse:  # the norm writes fc1's FP8 input: no high-precision ln_out
             carrier, x_q = fused
-            out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q, acc)
-            out, ln_out = out.view(*x.shape[:-1], out.shape[-1]), None
+            out = FusedMLPFunction.apply(carrier, w1, b1, w2, b2, mlp_plan, x_q, acc, x.shape[:-1])
+            ln_out = None
         elif fuse:  # one Function: FP8 activation casts, chunked backward
             ln_out = norm_forward(self, x)
             out = FusedMLPFunction.apply(ln_out, w1, b1, w2, b2, mlp_plan, None, acc)

@@ -116,11 +116,12 @@ class FusedMLPFunction(torch.autograd.Function):
     """y = fc2(act(fc1(x))) (+ residual) (see the module doc); inputs as LinearFunction's."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, plan, x_q=None, residual=None):
+    def forward(ctx, x, w1, b1, w2, b2, plan, x_q=None, residual=None, lead=None):
         # plan: (activation name, fc1 plan, fc2 plan, backward chunk bytes); a GEMM plan is
         # LinearFunction's (GemmFP8, wgrad targets, LinearParallel, grad mode). x_q: x already cast as
         # fc1's input (LinearFunction's x_q). residual: y's shape, added in fc2's epilogue (only where
-        # linear.residual_in_gemm holds for fc2); its gradient is y's.
+        # linear.residual_in_gemm holds for fc2); its gradient is y's. lead: y's leading dims (default:
+        # x's), where x is a 2-D carrier of an input of another shape.
         name, plan1, plan2, ctx.chunk_bytes = plan
         fp8_1, fp8_2, grad = plan1[0], plan2[0], plan2[3]
         dtype = x.dtype
@@ -140,7 +141,11 @@ class FusedMLPFunction(torch.autograd.Function):
             y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype, None, acc)
         ctx.s1, ctx.s2, ctx.name, ctx.fp8_1, ctx.x_shape, ctx.fc2_in = s1, s2, name, fp8_1, x.shape, w2.shape[1]
         ctx.h = h if grad else None
-        return y.reshape(-1, *x.shape[1:-1], w2.shape[0])
+        # A tensor of its own in the input's leading shape, not a view of the 2-D GEMM result: autograd
+        # forbids in-place ops on a view made inside a Function, and FSDP2 warns when a wrapped module
+        # returns a view (an in-place op on one would lose its pre-backward hook). Nothing else holds y.
+        lead = tuple(x.shape[:-1]) if lead is None else tuple(lead)
+        return y.reshape(*lead, w2.shape[0]).detach()
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -188,7 +193,7 @@ class FusedMLPFunction(torch.autograd.Function):
         dx = None if dx is None else dx.reshape(ctx.x_shape)
         needs = ctx.needs_input_grad  # (the residual is the eighth input, where apply() was given one)
         dres = grad_out.reshape(ctx.res_shape) if len(needs) > 7 and needs[7] else None
-        return dx, dw1, db1, dw2, db2, None, None, dres
+        return dx, dw1, db1, dw2, db2, None, None, dres, None
 
 
 class _ActivationGradRows:

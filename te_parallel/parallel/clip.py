@@ -12,13 +12,17 @@ biases) drift apart. Here the norm is taken from what the model's modules say ab
             + sum over whole parameters of ||g||^p          (counted once: the same on every TP rank)
 
 (max and all_reduce_max for p = inf). FSDP2's gradients are DTensors over the data-parallel mesh: their
-norms are reduced over it by DTensor itself, as torch's clip_grad_norm_ does. DDP's gradients are already
+local shards' sums are also all-reduced over the mesh dims that shard them. DDP's gradients are already
 the same on every data-parallel rank. Every rank gets the same total, bit for bit (the same numbers in the
-same order), so every rank clips by the same factor and whole parameters stay identical.
+same order), so every rank clips by the same factor and whole parameters stay identical. The sums are
+taken in fp64 and the total rounded to fp32 once, so the total does not depend on how the gradients are
+cut into shards: FSDP2 and DDP, or TP=2 and TP=1 given the same gradients, get the same fp32 number (a
+norm summed in fp32 would differ in its last bits, and so would the clipped gradients). `foreach` is
+accepted for torch's signature; the sums are per gradient.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +34,11 @@ except ImportError:  # torch built without distributed
     DTensor = ()
 
 
-def _grads_by_group(model: nn.Module) -> Dict[Optional[dist.ProcessGroup], List[torch.Tensor]]:
-    """{TP group: gradients of the parameters it shards, None: gradients of whole parameters}."""
+_CHUNK = 1 << 24  # elements per fp64 reduction: a large gradient is not copied to fp64 whole
+
+
+def _sharded_params(model: nn.Module) -> Dict[int, dist.ProcessGroup]:
+    """{id(parameter): its TP group} for the TP-sharded parameters of `model`'s modules."""
     sharded = {}
     for sub in model.modules():
         layouts = getattr(sub, "tp_shard_layouts", None)  # the modules that answer it: shard_layouts' rule
@@ -40,17 +47,39 @@ def _grads_by_group(model: nn.Module) -> Dict[Optional[dist.ProcessGroup], List[
         for name, layout in layouts().items():
             if layout.local_shape != layout.full_shape:
                 sharded[id(sub._parameters[name])] = sub.tp_group
-    out: Dict[Optional[dist.ProcessGroup], List[torch.Tensor]] = {}
+    return sharded
+
+
+def _grads(model: nn.Module) -> List[Tuple[torch.Tensor, Tuple[dist.ProcessGroup, ...]]]:
+    """[(the local gradient, the groups over which its pieces are spread)]: the TP group of a TP shard,
+    the mesh dims of a DTensor gradient (FSDP2) that shard it; () for a gradient held whole."""
+    sharded = _sharded_params(model)
+    out = []
     for p in model.parameters():
-        if p.grad is not None:
-            out.setdefault(sharded.get(id(p)), []).append(p.grad)
+        g = p.grad
+        if g is None:
+            continue
+        groups = (sharded[id(p)],) if id(p) in sharded else ()
+        if isinstance(g, DTensor):
+            for dim, placement in enumerate(g.placements):
+                if placement.is_partial():
+                    raise ValueError(f"get_total_norm: a gradient with a Partial placement ({g.placements}) is a sum "
+                                     f"not yet reduced; reduce it (redistribute) before taking its norm")
+                if placement.is_shard():
+                    groups += (g.device_mesh.get_group(dim),)
+            g = g.to_local()
+        out.append((g, groups))
     return out
 
 
-def _norm(grads: List[torch.Tensor], norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
-    """The p-norm of `grads` as a plain fp32 tensor (DTensor gradients: reduced over their mesh)."""
-    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+def _power_sum(g: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum |g|^p (max |g| for p = inf) in fp64: the same number however the gradient is cut into
+    shards, to far below fp32's rounding, so that the total does not depend on the layout."""
+    flat = g.detach().reshape(-1)
+    if norm_type == float("inf"):
+        return flat.abs().max().double() if flat.numel() else torch.zeros((), dtype=torch.float64, device=g.device)
+    parts = [torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in flat.split(_CHUNK)]
+    return sum(p.pow(norm_type) for p in parts) if parts else torch.zeros((), dtype=torch.float64, device=g.device)
 
 
 def get_total_norm(model: nn.Module, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -63,22 +92,28 @@ def get_total_norm(model: nn.Module, norm_type: float = 2.0, error_if_nonfinite:
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"get_total_norm: norm_type must be positive (or inf), got {norm_type}")
-    return _total(_grads_by_group(model), norm_type, error_if_nonfinite, foreach)
+    return _total(_grads(model), norm_type, error_if_nonfinite)
 
 
-def _total(buckets, norm_type: float, error_if_nonfinite: bool, foreach: Optional[bool]) -> torch.Tensor:
-    if not buckets:
+def _total(grads, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """The fp32 total norm: each gradient's power sum in fp64, summed (max for inf) per set of groups its
+    pieces are spread over, reduced over those groups, then added up in a fixed order."""
+    if not grads:
         return torch.tensor(0.0)
-    device = next(iter(buckets.values()))[0].device
+    device = grads[0][0].device
     inf = norm_type == float("inf")
+    by_groups: Dict[Tuple[dist.ProcessGroup, ...], List[torch.Tensor]] = {}
+    for g, groups in grads:
+        by_groups.setdefault(groups, []).append(_power_sum(g, norm_type).to(device))
     parts = []
-    for group, grads in buckets.items():
-        part = _norm(grads, norm_type, foreach).to(device)
-        part = part if inf else part.pow(norm_type)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    for groups, sums in by_groups.items():
+        part = torch.stack(sums).amax() if inf else torch.stack(sums).sum()
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         parts.append(part)
     total = torch.stack(parts).amax() if inf else torch.stack(parts).sum().pow(1.0 / norm_type)
+    total = total.float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"get_total_norm: the total norm of order {norm_type} of the gradients is {total.item()}; "
                            f"pass error_if_nonfinite=False to clip anyway")
@@ -95,10 +130,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
     total = get_total_norm(model, norm_type, error_if_nonfinite, foreach)  # (checks model and norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
-    for grads in _grads_by_group(model).values():
-        for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            by_device.setdefault(local.device, []).append(local)
+    for g, _ in _grads(model):
+        by_device.setdefault(g.device, []).append(g)
     for device, grads in by_device.items():
         torch._foreach_mul_(grads, coef.to(device))
     return total

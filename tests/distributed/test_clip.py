@@ -164,7 +164,7 @@ def test_bad_input():
 
 
 def test_one_process_matches_torch():
-    """tp=1: the same norm and clipped gradients as torch's clip_grad_norm_ (whole parameters only)."""
+    """tp=1: torch's clip_grad_norm_'s norm and clipped gradients, to fp32's last bit (te's sums are fp64)."""
     torch.manual_seed(0)
     a = te.LayerNormMLP(32, 64, device="cpu")
     b = te.LayerNormMLP(32, 64, device="cpu")
@@ -173,6 +173,6 @@ def test_one_process_matches_torch():
     for m in (a, b):
         m(x).pow(2).sum().backward()
     got, want = te.clip_grad_norm_(a, 0.1), torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
-    assert torch.equal(got, want)
+    assert torch.allclose(got, want, rtol=2.5e-7, atol=0), (got.item(), want.item())
     for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p.grad, q.grad)
+        assert torch.allclose(p.grad, q.grad, rtol=5e-7, atol=0)

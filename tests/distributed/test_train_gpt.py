@@ -1,12 +1,15 @@
 """The main job on CPU (gloo): FP8 training lowers the loss and a resumed run is exact (FSDP2 over dp2,
-and TP=2 + SP), the data-parallel engines give the hand-averaged reference's losses, a worker leaves no
-thread of its process groups running into interpreter shutdown, and at dp2 x tp2 under FSDP2 a
-checkpoint round-trips every rank's model, optimizer and random state bit for bit."""
+and TP=2 + SP), the data-parallel engines give the hand-averaged reference's losses and gradient norms
+(clipped), FSDP2 and DDP reach the same parameters, a worker leaves no thread of its process groups
+running into interpreter shutdown, and at dp2 x tp2 under FSDP2 a checkpoint round-trips every rank's
+model, optimizer and random state bit for bit."""
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+import te_parallel as te
 
 from te_parallel.examples.cli import build_parser
 from te_parallel.examples.data import VOCAB, ByteData
@@ -47,6 +50,7 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, fp8, tp):
     main(args + ["--out", str(second), "--resume", str(ckpt), "--no-plot"])
     resumed = _log(second)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in log]  # bit-identical, steps 1..40
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in log]
     assert resumed[-1]["val_loss"] == log[-1]["val_loss"]
 
 
@@ -68,13 +72,15 @@ def test_overlap_gives_the_same_losses(tmp_path):
 
 
 def test_tp2_sp_matches_tp1_same_seed(tmp_path):
-    """Parity across layouts: the same seed gives the same losses with TP=1 and TP=2 + SP (fp32, no FP8),
-    and the same model FLOPs per step (MFU's numerator does not depend on the layout)."""
+    """Parity across layouts: the same seed gives the same losses and gradient norms (each TP shard counted
+    once, each whole parameter once; clipped to the default --clip-grad 1.0) with TP=1 and TP=2 + SP (fp32,
+    no FP8), and the same model FLOPs per step (MFU's numerator does not depend on the layout)."""
     args = SHORT + ["--fp8", "off"]
     main(args + ["--nproc", "1", "--tp", "1", "--out", str(tmp_path / "tp1")])
     main(args + ["--nproc", "2", "--tp", "2", "--out", str(tmp_path / "tp2")])
     a, b = _log(tmp_path / "tp1"), _log(tmp_path / "tp2")
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) < 1e-5
+    assert max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b)) < 1e-5, (a, b)
     assert abs(a[-1]["val_loss"] - b[-1]["val_loss"]) < 1e-5
     flops = [json.loads((tmp_path / d / "log.json").read_text())["config"]["flops_per_step"] for d in ("tp1", "tp2")]
     assert flops[0] == flops[1]
@@ -85,15 +91,17 @@ def test_tp2_sp_matches_tp1_same_seed(tmp_path):
 DP_STEPS = 8
 DP_ARGS = MODEL + ["--steps", str(DP_STEPS), "--warmup", "3", "--eval-every", str(DP_STEPS), "--eval-batches", "1",
                    "--no-plot", "--fp8", "off", "--nproc", "2", "--tp", "1"]
-# Measured: 0 (bit-equal) for both engines on CPU/gloo. The tolerance leaves room for a backend that
-# sums the two replicas' gradients in another order than the reference (fp32 rounding, ~1e-7 relative).
+# The tolerance leaves room for a backend that sums the two replicas' gradients in another order than the
+# reference, and for FSDP2's gradient norm, taken from each gradient's dp shards, whose last bit can differ
+# from the whole gradient's (fp32 rounding, ~1e-7 relative; the clipping factor follows it).
 DP_TOLERANCE = 1e-6
 
 
-def _hand_averaged_losses(argv) -> list:
-    """The trainer's dp2 run in one process: the same TP=1 model, both replicas' batches (their data
-    generators seeded as the trainer seeds them), each replica's gradient computed on its own and the
-    two averaged by hand before the same AdamW step; the loss is the replicas' mean."""
+def _hand_averaged_run(argv) -> tuple:
+    """(losses, gradient norms) of the trainer's dp2 run in one process: the same TP=1 model, both
+    replicas' batches (their data generators seeded as the trainer seeds them), each replica's gradient
+    computed on its own and the two averaged by hand, clipped to --clip-grad,
+    before the same AdamW step; the loss is the replicas' mean."""
     args = build_parser("").parse_args(argv)
     args.ffn = 4 * args.hidden
     torch.manual_seed(args.seed)
@@ -102,7 +110,7 @@ def _hand_averaged_losses(argv) -> list:
     opt = make_optimizer(model.parameters(), args)
     data = ByteData(args.corpus_bytes, args.seq_len)
     gens = [torch.Generator().manual_seed(args.seed * 1000 + r) for r in range(2)]
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
@@ -115,21 +123,100 @@ def _hand_averaged_losses(argv) -> list:
             model.zero_grad(set_to_none=True)
         for p, g0, g1 in zip(model.parameters(), *replica_grads):
             p.grad = (g0 + g1) / 2
+        # (te's norm at TP=1: fp64 sums, rounded once; equal to torch's to an ulp, tests/distributed/test_clip.py)
+        clip = te.clip_grad_norm_(model, args.clip_grad) if args.clip_grad else te.get_total_norm(model)
+        norms.append(clip.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(((replica_losses[0] + replica_losses[1]) / 2).item())
-    return losses
+    return losses, norms
 
 
 def test_dp_engines_match_the_hand_averaged_reference(tmp_path):
-    """dp2 (TP=1, fp32) under FSDP2 and under DDP: the losses of the one-process, hand-averaged run."""
-    ref = _hand_averaged_losses(DP_ARGS)
+    """dp2 (TP=1, fp32) under FSDP2 and under DDP, clipped to the default --clip-grad 1.0 (which every
+    step here exceeds): the losses and gradient norms of the one-process, hand-averaged run."""
+    ref_losses, ref_norms = _hand_averaged_run(DP_ARGS)
+    assert min(ref_norms) > 1.0, ref_norms
     for engine in ("fsdp2", "ddp"):
         main(DP_ARGS + ["--dp-engine", engine, "--out", str(tmp_path / engine)])
-        got = [r["loss"] for r in _log(tmp_path / engine)]
-        assert len(got) == DP_STEPS
-        diff = max(abs(a - b) for a, b in zip(got, ref))
-        assert diff <= DP_TOLERANCE, (engine, diff, got, ref)
+        log = _log(tmp_path / engine)
+        assert len(log) == DP_STEPS
+        diff = max(abs(r["loss"] - ref) for r, ref in zip(log, ref_losses))
+        assert diff <= DP_TOLERANCE, (engine, diff, [r["loss"] for r in log], ref_losses)
+        diff = max(abs(r["grad_norm"] - ref) / ref for r, ref in zip(log, ref_norms))
+        assert diff <= DP_TOLERANCE, (engine, diff, [r["grad_norm"] for r in log], ref_norms)
+
+
+# --- FSDP2 and DDP reach the same parameters ---------------------------------------------------------
+
+ENGINE_STEPS = 3
+# dp2 at TP=1 with FP8 delayed: one rank per TP group, so fc2's FP8 GEMM adds the residual in its epilogue
+# and that GEMM's output is the transformer block's output, the tensor FSDP2 hooks for its backward
+ENGINE_ARGS = ["--tp", "1", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--micro-batch", "4",
+               "--steps", str(ENGINE_STEPS), "--warmup", "1", "--corpus-bytes", str(1 << 18), "--eval-batches", "1",
+               "--fp8", "delayed"]
+def _full_parameters(model) -> dict:
+    """{name: whole tensor} of a GPT under FSDP2 (DTensors: gathered over dp, a collective) or DDP."""
+    inner = getattr(model, "module", model)
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in inner.named_parameters()}
+
+
+def _engine_run(args, world) -> tuple:
+    """(step results, parameters, the FSDP2 warnings that a block returned a view) of ENGINE_STEPS steps."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = Trainer(args, world)
+        steps = [t.train_step() for _ in range(ENGINE_STEPS)]
+    views = sorted({str(w.message) for w in caught if "returned a view tensor" in str(w.message)})
+    return steps, _full_parameters(t.model), views
+
+
+def _engines_agree(rank, world, device):
+    from te_parallel.examples.world import make_world
+
+    w = make_world(1, device)
+    checks = Checks(rank)
+    runs = {}
+    for clip in ("0", "1.0"):  # 1.0, the default, clips every one of these steps (norms 3 to 5)
+        args = build_parser("").parse_args(ENGINE_ARGS + ["--clip-grad", clip])
+        args.ffn = 4 * args.hidden
+        for engine in ("fsdp2", "ddp"):
+            args.dp_engine = engine
+            runs[clip, engine] = _engine_run(args, w)
+
+    def bit_equal(clip):
+        (fsdp_steps, fsdp_params, _), (ddp_steps, ddp_params, _) = runs[clip, "fsdp2"], runs[clip, "ddp"]
+        assert fsdp_params.keys() == ddp_params.keys(), sorted(fsdp_params.keys() ^ ddp_params.keys())
+        bad = {k: (fsdp_params[k] - ddp_params[k]).abs().max().item() for k in fsdp_params
+               if not torch.equal(fsdp_params[k], ddp_params[k])}
+        assert not bad, f"parameters that differ (max abs difference): {bad}"
+        assert [s.loss for s in fsdp_steps] == [s.loss for s in ddp_steps], (fsdp_steps, ddp_steps)
+        assert [s.grad_norm for s in fsdp_steps] == [s.grad_norm for s in ddp_steps], (fsdp_steps, ddp_steps)
+        if clip != "0":
+            assert all(s.grad_norm > float(clip) for s in ddp_steps), ddp_steps  # every step clipped
+
+    def no_view_warning():
+        views = runs["0", "fsdp2"][2] + runs["1.0", "fsdp2"][2]
+        assert not views, views
+
+    checks.run("without clipping, FSDP2 and DDP give the same parameters, losses and norms, bit for bit",
+               bit_equal, "0")
+    checks.run("clipped to 1.0 (every step), the same, bit for bit", bit_equal, "1.0")
+    checks.run("no FSDP2-wrapped block returns a view", no_view_warning)
+    checks.raise_if_failed()
+
+
+def test_fsdp2_matches_ddp_at_tp1(tmp_path):
+    """dp2 at TP=1, FP8 delayed, fp32. Without gradient clipping, after a few steps FSDP2 (each rank keeps
+    half of every parameter, gradients reduce-scattered) and DDP (whole replicas, gradients all-reduced)
+    hold the same parameters bit for bit: both average two fp32 gradients, a sum of two that is exact in
+    either order and a halving that is exact. Clipped, too: te.clip_grad_norm_ sums in fp64, so the norm of
+    FSDP2's shards rounds to the same fp32 number as the norm of DDP's whole gradients, and both scale by the
+    same factor. No block hands FSDP2 a view as its output."""
+    spawn(_engines_agree, 2)
 
 
 # --- a worker leaves no backend threads behind ------------------------------------------------------
