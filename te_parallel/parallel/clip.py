@@ -86,13 +86,21 @@ def get_total_norm(model: nn.Module, norm_type: float = 2.0, error_if_nonfinite:
                    foreach: Optional[bool] = None) -> torch.Tensor:
     """The norm of all of `model`'s gradients as one vector: every TP shard once, every whole parameter
     once; the same value on every rank (see the module docstring)."""
+    return _total(_grads(_checked(model)), _checked_norm_type(norm_type), error_if_nonfinite)
+
+
+def _checked(model) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"get_total_norm: pass the model (an nn.Module), got {type(model).__name__}: which "
                         f"parameters are TP shards is known from its modules, not from the tensors")
+    return model
+
+
+def _checked_norm_type(norm_type) -> float:
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"get_total_norm: norm_type must be positive (or inf), got {norm_type}")
-    return _total(_grads(model), norm_type, error_if_nonfinite)
+    return norm_type
 
 
 def _total(grads, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -127,10 +135,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
     returns total (the same on every rank). Takes the model, not its parameters: see get_total_norm."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be a positive number, got {max_norm!r}")
-    total = get_total_norm(model, norm_type, error_if_nonfinite, foreach)  # (checks model and norm_type)
+    grads = _grads(_checked(model))  # (one walk of the modules per step, for the norm and the scaling)
+    total = _total(grads, _checked_norm_type(norm_type), error_if_nonfinite)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
-    for g, _ in _grads(model):
+    for g, _ in grads:
         by_device.setdefault(g.device, []).append(g)
     for device, grads in by_device.items():
         torch._foreach_mul_(grads, coef.to(device))

@@ -198,11 +198,11 @@ def _local_entries(module: nn.Module, state_dict, prefix: str, local_metadata, s
     """load_state_dict pre-hook: a GlobalShards entry of this module's layout loads as its local shard
     (what DCP wrote into it in place, or another model's shard of the same layout); one of another
     TP layout is refused, since its local data is not this rank's part of the tensor."""
-    for name, param in module._parameters.items():
-        value = state_dict.get(prefix + name)
-        if not isinstance(value, GlobalShards):
-            continue
-        layout = _sharded_layouts(module).get(name)
+    entries = {name: state_dict.get(prefix + name) for name in module._parameters}
+    entries = {name: value for name, value in entries.items() if isinstance(value, GlobalShards)}
+    layouts = _sharded_layouts(module) if entries else {}  # (once per module, and only when needed)
+    for name, value in entries.items():
+        layout = layouts.get(name)
         if layout is None or value.shard_layout != layout:
             have = "unsharded" if layout is None else f"{layout.full_shape} split on dim {layout.dim} {layout.pieces}"
             raise ValueError(f"load_state_dict: {prefix + name} is a TP shard ({value.shard_layout.full_shape} split on dim "
