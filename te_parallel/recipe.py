@@ -10,17 +10,24 @@ Two families:
   previous one. Cheap (no extra pass over the tensor before the cast) but one step behind.
 * `Float8CurrentScaling`: the scale is computed from the amax of the tensor itself, just before the
   cast. Exact range, one extra read of the tensor.
+* `Float8BlockScaling`: one scale per 1x128 tile (activations, gradients) or 128x128 block (weights),
+  computed from the tile's own amax (DeepSeek-V3's recipe; Megatron's `fp8_recipe="blockwise"`).
+
+Each recipe names its scaling in `Recipe.scaling` ("delayed", "current", "block"): code that depends on
+the recipe reads that attribute, and a recipe's quantizers (te_parallel.fp8.quantizers) do the casts.
 """
 from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, ClassVar, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["Format", "MMParams", "DelayedScaling", "Float8CurrentScaling", "Recipe", "FormatPair"]
+__all__ = ["Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "Recipe", "FormatPair"]
 
 
 class FormatPair(NamedTuple):
@@ -105,6 +112,8 @@ class Recipe:
     sends to bf16 are logged (logger "te_parallel", INFO).
     """
 
+    scaling: ClassVar[str] = ""  # "delayed", "current" or "block": what the recipe's quantizers do
+
     fp8_format: Format = Format.HYBRID
     fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_dgrad: MMParams = MMParams()
@@ -112,10 +121,28 @@ class Recipe:
     min_fp8_gemm: Union[int, str] = 0
 
     def delayed(self) -> bool:
-        return isinstance(self, DelayedScaling)
+        """TE's helper: True for delayed scaling."""
+        return self.scaling == "delayed"
 
-    def current(self) -> bool:
-        return isinstance(self, Float8CurrentScaling)
+    def float8_current_scaling(self) -> bool:
+        """TE's helper: True for per-tensor current scaling."""
+        return self.scaling == "current"
+
+    current = float8_current_scaling
+
+    def float8_block_scaling(self) -> bool:
+        """TE's helper: True for 1x128 / 128x128 block scaling."""
+        return self.scaling == "block"
+
+    def float8_per_tensor_scaling(self) -> bool:
+        """TE's helper: one scale per tensor (delayed or current scaling)."""
+        return self.scaling in ("delayed", "current")
+
+    def mxfp8(self) -> bool:
+        return False
+
+    def nvfp4(self) -> bool:
+        return False
 
     def __post_init__(self) -> None:
         if not (self.min_fp8_gemm == "auto" or (isinstance(self.min_fp8_gemm, int)
@@ -149,6 +176,8 @@ class DelayedScaling(Recipe):
     `reduce_amax`: all-reduce (MAX) the amaxes over the fp8 group before the update so every
     rank computes the same scale.
     """
+
+    scaling: ClassVar[str] = "delayed"
 
     margin: int = 0
     interval: int = 1
@@ -184,4 +213,122 @@ class DelayedScaling(Recipe):
 class Float8CurrentScaling(Recipe):
     """Scale from the tensor itself: scale = fp8_max / amax(tensor), computed just before the cast."""
 
+    scaling: ClassVar[str] = "current"
+
     fp8_format: Format = Format.HYBRID
+
+
+@dataclass(frozen=True, kw_only=True)
+class QParams:
+    """How one operand's block scales are computed (TE's name). power_2_scale: each scale is rounded down
+    to a power of two (the FP8 values then carry no rounding of the scale itself); amax_epsilon: a floor
+    under each tile's amax."""
+
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.power_2_scale, bool):
+            raise TypeError(f"QParams.power_2_scale must be a bool, got {self.power_2_scale!r}")
+        if not (isinstance(self.amax_epsilon, (int, float)) and math.isfinite(self.amax_epsilon)
+                and self.amax_epsilon >= 0):
+            raise ValueError(f"QParams.amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}")
+
+
+_FP32_BLOCK_SCALES = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+_BLOCK_QPARAMS = QParams(power_2_scale=not _FP32_BLOCK_SCALES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8BlockScaling(Recipe):
+    """One scale per 1x128 tile or 128x128 block, each from its own amax (TE's recipe and arguments).
+
+    x_block_scaling_dim / w_block_scaling_dim / grad_block_scaling_dim: 1 for 1x128 tiles (one scale per
+    128 consecutive elements of a row), 2 for 128x128 blocks. Defaults (DeepSeek-V3's): inputs and output
+    gradients in 1x128 tiles, weights in 128x128 blocks. Two operands of one GEMM cannot both be 2-D.
+    A tile's scale is fp8_max / amax, rounded down to a power of two unless fp32 scales are asked for
+    (QParams.power_2_scale=False, or NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 for the defaults, TE's switch).
+    A 1x128-tiled operand used by two GEMMs along different dims (x: rows in fprop, columns in wgrad) is
+    quantized twice from the high-precision tensor, once per direction, in one pass (docs/fp8.md).
+    Every GEMM accumulates with split accumulation, as TE enforces. fp8_format: E4M3 (default) or
+    HYBRID (E5M2 gradients); all-E5M2 is refused, as in TE.
+    """
+
+    scaling: ClassVar[str] = "block"
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = _BLOCK_QPARAMS
+    fp8_quant_fwd_weight: QParams = _BLOCK_QPARAMS
+    fp8_quant_bwd_grad: QParams = _BLOCK_QPARAMS
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"Float8BlockScaling {name} must be 1 (1x128 tiles) or 2 (128x128 blocks), "
+                                 f"got {getattr(self, name)!r}")
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if getattr(self, f"{a}_block_scaling_dim") == 2 and getattr(self, f"{b}_block_scaling_dim") == 2:
+                raise ValueError(f"Float8BlockScaling: {a}_block_scaling_dim=2 and {b}_block_scaling_dim=2 make a "
+                                 f"GEMM of two 128x128-block operands, which no kernel runs; make one of them 1")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not getattr(self, name).use_split_accumulator:
+                raise ValueError(f"Float8BlockScaling needs split accumulation: {name}.use_split_accumulator "
+                                 f"must be True, got False")
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if not isinstance(getattr(self, name), QParams):
+                raise TypeError(f"Float8BlockScaling {name} must be a te_parallel.recipe.QParams, got "
+                                f"{getattr(self, name)!r}")
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("Float8BlockScaling takes fp8_format=Format.E4M3 or Format.HYBRID; all-E5M2 training "
+                             "is not supported (as in TE)")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError("Float8BlockScaling: fp8_dpa / fp8_mha (FP8 attention) are not supported under block "
+                             "scaling; leave them False")
+        if self.backward_override is not None:
+            raise ValueError(f"Float8BlockScaling backward_override={self.backward_override!r} is not supported by "
+                             f"te_parallel; leave it None")
+
+    def block_dim(self, role: str) -> int:
+        """1 (1x128 tiles) or 2 (128x128 blocks) for the operand role "x", "w" or "grad"."""
+        return getattr(self, f"{role}_block_scaling_dim")
+
+    def qparams(self, role: str) -> QParams:
+        return {"x": self.fp8_quant_fwd_inp, "w": self.fp8_quant_fwd_weight, "grad": self.fp8_quant_bwd_grad}[role]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 (32-element blocks with E8M0 scales): Blackwell only; te_parallel does not run it. The name exists
+    for TE's clients; fp8_autocast refuses it in one line."""
+
+    scaling: ClassVar[str] = "mxfp8"
+    fp8_format: Format = Format.E4M3
+
+    def mxfp8(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4 (FP4 with 16-element blocks): Blackwell only; te_parallel does not run it. The name exists for TE's
+    clients; fp8_autocast refuses it in one line."""
+
+    scaling: ClassVar[str] = "nvfp4"
+    fp8_format: Format = Format.E4M3
+
+    def nvfp4(self) -> bool:
+        return True
+
+
+UNSUPPORTED_SCALING = {"mxfp8": "MXFP8BlockScaling (MXFP8, a Blackwell format)",
+                       "nvfp4": "NVFP4BlockScaling (NVFP4, a Blackwell format)"}
