@@ -13,7 +13,7 @@ import torch
 from te_parallel.ops.activation import activation_reference
 from te_parallel.ops.norm import layer_norm_reference, rms_norm_reference
 from te_parallel.recipe import Format
-from tests.reference import current_scale_ref, qdq
+from tests.reference import block_qdq, current_scale_ref, qdq
 
 
 @dataclass
@@ -22,6 +22,20 @@ class GemmScales:
     x: Optional[torch.Tensor] = None   # None: current scaling
     w: Optional[torch.Tensor] = None
     dy: Optional[torch.Tensor] = None
+    block: Optional[object] = None     # a Float8BlockScaling: each operand in its tiles (block_qdq)
+
+
+def _tile(dim: int) -> tuple:
+    return (1, 128) if dim == 1 else (128, 128)
+
+
+def _bqdq(t, recipe, role: str, dtype, along_rows: bool = False):
+    """Block quantize -> dequantize of operand t as the GEMM reading it sees it. along_rows: the GEMM runs over
+    t's rows (wgrad's x and dy), so its 1x128 tiles run down the columns."""
+    tile, pow2 = _tile(recipe.block_dim(role)), recipe.qparams(role).power_2_scale
+    if along_rows and tile == (1, 128):
+        return block_qdq(t.t(), dtype, tile, pow2).t()
+    return block_qdq(t, dtype, tile, pow2)
 
 
 def _qdq(t, scale, dtype):
@@ -34,6 +48,13 @@ class RefLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, scales: Optional[GemmScales]):
+        if scales is not None and scales.block is not None:
+            rec, fwd = scales.block, scales.fmt.fwd_dtype
+            xq, wq = _bqdq(x, rec, "x", fwd), _bqdq(w, rec, "w", fwd)
+            ctx.save_for_backward(_bqdq(x, rec, "x", fwd, along_rows=True), wq)
+            ctx.scales, ctx.has_b = scales, b is not None
+            y = xq @ wq.t()
+            return y if b is None else y + b
         if scales is None:
             xq, wq = x, w
         else:
@@ -48,6 +69,10 @@ class RefLinear(torch.autograd.Function):
     def backward(ctx, dy):
         xq, wq = ctx.saved_tensors
         s = ctx.scales
+        if s is not None and s.block is not None:
+            bwd = s.fmt.bwd_dtype
+            dyq_rows, dyq_cols = _bqdq(dy, s.block, "grad", bwd), _bqdq(dy, s.block, "grad", bwd, along_rows=True)
+            return dyq_rows @ wq, dyq_cols.t() @ xq, (dy.sum(0) if ctx.has_b else None), None
         dyq = dy if s is None else _qdq(dy, s.dy, s.fmt.bwd_dtype)
         return dyq @ wq, dyq.t() @ xq, (dy.sum(0) if ctx.has_b else None), None
 
@@ -82,7 +107,9 @@ def grads_close(module, ref_params, names, tol, rel_err):
         assert err < tol, f"grad of {n}: relative error {err:.2e} >= {tol:.0e}"
 
 
-def scales_of(module, gemm: int, fmt: Format, delayed: bool) -> GemmScales:
+def scales_of(module, gemm: int, fmt: Format, delayed: bool, block=None) -> GemmScales:
+    if block is not None:
+        return GemmScales(fmt, block=block)
     if not delayed:
         return GemmScales(fmt)
     st = module.fp8_state

@@ -87,3 +87,38 @@ def fp8_chain_tol(device) -> float:
     > 3e-2, a wrong layout O(1).
     """
     return 1.2e-2 if torch.device(device).type == "cuda" else 5e-3
+
+
+def block_scale_ref(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = True, value_for_inf: float = 3.4028234663852886e38):
+    """TE's block scale from a tile amax, in its own terms: fp8_max / amax as one fp32 division, +inf -> the input
+    dtype's largest value, the largest power of two not above it (pow2), 1 where amax is 0, inf or NaN."""
+    fp8_max = torch.finfo(dtype).max
+    out = torch.ones_like(amax, dtype=torch.float64)
+    for i, a in enumerate(amax.to(torch.float32).reshape(-1).tolist()):
+        if a == 0 or a != a or a in (float("inf"), float("-inf")):
+            continue
+        s = (torch.tensor(fp8_max, dtype=torch.float32) / torch.tensor(a, dtype=torch.float32)).item()
+        if s == float("inf"):
+            s = value_for_inf
+        if pow2:
+            s = 2.0 ** (torch.tensor(s, dtype=torch.float64).log2().floor().item())
+        out.view(-1)[i] = s
+    return out
+
+
+def block_qdq(x: torch.Tensor, dtype: torch.dtype, tile: tuple, pow2: bool = True) -> torch.Tensor:
+    """quantize -> dequantize of a 2-D x in tiles of `tile` = (rows, cols) ((1, 128) or (128, 128)), each tile
+    with its own scale (block_scale_ref), in fp64: the value a block-scaled FP8 GEMM sees."""
+    r, c = x.shape
+    tr, tc = tile
+    out = torch.empty(r, c, dtype=torch.float64)
+    xd = x.detach().double().cpu()
+    value_for_inf = float(torch.finfo(x.dtype).max) if x.dtype.is_floating_point and x.dtype != torch.float64 else \
+        3.4028234663852886e38
+    for i0 in range(0, r, tr):
+        for j0 in range(0, c, tc):
+            t = xd[i0:i0 + tr, j0:j0 + tc]
+            amax = t.abs().max().reshape(1) if t.numel() else torch.zeros(1, dtype=torch.float64)
+            s = block_scale_ref(amax, dtype, pow2, value_for_inf)
+            out[i0:i0 + tr, j0:j0 + tc] = round_to_fp8((t * s).to(torch.float32).double(), dtype) / s
+    return out

@@ -21,7 +21,22 @@ RECIPES = {
     "delayed-hybrid": R.DelayedScaling(amax_history_len=4),
     "delayed-e4m3": R.DelayedScaling(fp8_format=R.Format.E4M3, margin=1, amax_compute_algo="most_recent"),
     "current-hybrid": R.Float8CurrentScaling(),
+    "block": R.Float8BlockScaling(),
+    "block-fp32-scales-hybrid": R.Float8BlockScaling(fp8_format=R.Format.HYBRID, fp8_quant_fwd_inp=R.QParams(power_2_scale=False),
+                                                     fp8_quant_bwd_grad=R.QParams(power_2_scale=False),
+                                                     fp8_quant_fwd_weight=R.QParams(power_2_scale=False)),
+    "block-1d-weights": R.Float8BlockScaling(w_block_scaling_dim=1),
 }
+
+
+def _block(recipe):
+    return recipe if recipe is not None and recipe.float8_block_scaling() else None
+
+
+def _row_magnitudes(t):
+    """A power of two in [2^-6, 2^6] per row of t ([..., features]), so that under block scaling the 1x128 tiles
+    along a row and those down a column get different scales."""
+    return 2.0 ** torch.randint(-6, 7, (*t.shape[:-1], 1), device=t.device).to(t.dtype)
 
 
 def _step(module, x, recipe, dy, **fwd):
@@ -54,8 +69,10 @@ def test_linear(recipe_name, bias, device):
     recipe = RECIPES.get(recipe_name)
     m = te.Linear(64, 48, bias=bias, device=device)
     x, dy = torch.randn(3, 16, 64, device=device), torch.randn(3, 16, 48, device=device)
+    if _block(recipe) is not None:  # rows of different magnitudes: a row's tile and a column's differ in scale
+        x, dy = x * _row_magnitudes(x), dy * _row_magnitudes(dy)
     _warmup(m, x, recipe, dy)
-    scales = None if recipe is None else scales_of(m, 0, recipe.fp8_format, recipe.delayed())
+    scales = None if recipe is None else scales_of(m, 0, recipe.fp8_format, recipe.delayed(), _block(recipe))
     xi, out = _step(m, x, recipe, dy)
     p = dparams(m, LINEAR_PARAMS)
     xr = x.double().cpu().requires_grad_(True)
@@ -83,7 +100,7 @@ def test_layernorm_linear(recipe_name, normalization, zero_centered, device):
             m.layer_norm_bias.normal_(0.0, 0.2)
     x, dy = torch.randn(32, 64, device=device) * 3 + 1, torch.randn(32, 32, device=device)
     _warmup(m, x, recipe, dy)
-    scales = None if recipe is None else scales_of(m, 0, recipe.fp8_format, recipe.delayed())
+    scales = None if recipe is None else scales_of(m, 0, recipe.fp8_format, recipe.delayed(), _block(recipe))
     xi = x.detach().clone().requires_grad_(True)
     with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
         out, ln_out = m(xi)
@@ -109,7 +126,7 @@ def _mlp_case(activation, recipe, normalization, device, bias=True):
                         init_method=lambda w: torch.nn.init.normal_(w, 0, 0.2))
     x, dy = torch.randn(2, 16, 32, device=device), torch.randn(2, 16, 32, device=device)
     _warmup(m, x, recipe, dy)
-    scales = [None, None] if recipe is None else [scales_of(m, g, recipe.fp8_format, recipe.delayed()) for g in (0, 1)]
+    scales = [None, None] if recipe is None else [scales_of(m, g, recipe.fp8_format, recipe.delayed(), _block(recipe)) for g in (0, 1)]
     xi, out = _step(m, x, recipe, dy)
     p = dparams(m, MLP_PARAMS)
     xr = x.double().cpu().requires_grad_(True)

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 DEFAULT_OUT = "runs/gpt"
-RECIPE_NAMES = ("off", "delayed", "current")
+RECIPE_NAMES = ("off", "delayed", "current", "block")
 DP_ENGINES = ("fsdp2", "ddp")  # data_parallel.py builds them
 WARMUP_DEFAULT = 30  # the most warmup steps by default: a tenth of --steps, at most this
 
@@ -56,7 +56,8 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
                         "by --tp; no effect with --tp 1)")
     g.add_argument("--fp8", choices=RECIPE_NAMES, default=None,
                    help="FP8 scaling recipe of the GEMMs: delayed (scales from an amax history), current (scales "
-                        "from each tensor) or off (bf16/fp32 GEMMs). FP8 GEMMs need in and out features that are "
+                        "from each tensor), block (a scale per 1x128 tile of activations and gradients and per "
+                        "128x128 block of weights; Hopper GPUs with CUDA >= 12.9, or the CPU) or off (bf16/fp32 GEMMs). FP8 GEMMs need in and out features that are "
                         "multiples of 16: --hidden/--tp, --ffn/--tp and 256/--tp. Any token count runs (one that is "
                         "not a multiple of 16 is zero-padded inside the GEMM), except under --overlap, whose pieces "
                         "of --seq-len x --micro-batch / --tp tokens must be multiples of 16 (default: delayed; off "

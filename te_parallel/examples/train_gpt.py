@@ -39,7 +39,7 @@ from te_parallel.examples.world import World, destroy, init_world, run_world
 from te_parallel.parallel.random import CudaRNGStatesTracker, model_parallel_seed
 
 RECIPES = {"off": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=16),
-           "current": lambda: recipe.Float8CurrentScaling()}
+           "current": lambda: recipe.Float8CurrentScaling(), "block": lambda: recipe.Float8BlockScaling()}
 
 
 def prepare(args, launch: Launch):

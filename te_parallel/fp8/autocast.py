@@ -27,7 +27,8 @@ from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.parallel.groups import amax_group
 from te_parallel.recipe import DelayedScaling, Recipe, fp8_max
 
-__all__ = ["fp8_autocast", "autocast", "is_fp8_available", "FP8Frame", "current_frame"]
+__all__ = ["fp8_autocast", "autocast", "is_fp8_available", "is_fp8_block_scaling_available", "FP8Frame",
+           "current_frame"]
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,42 @@ def is_fp8_available(return_reason: bool = False):
     return (ok, reason) if return_reason else ok
 
 
+def is_fp8_block_scaling_available(return_reason: bool = False):
+    """Float8BlockScaling runs on CPU (te_parallel's emulation, for development and CI) and on CUDA GPUs of
+    compute capability 9.x (Hopper) with CUDA >= 12.9 (cuBLASLt's block-scaled FP8 GEMMs)."""
+    ok, reason = True, ""
+    if _FP8_CAPABLE.get("cuda") is None:
+        _FP8_CAPABLE["cuda"] = torch.cuda.is_available()
+    if _FP8_CAPABLE["cuda"]:
+        key = ("block", torch.cuda.current_device())
+        known = _FP8_CAPABLE.get(key)
+        if known is None:
+            major, minor = torch.cuda.get_device_capability()
+            cuda = torch.version.cuda or "0"
+            cuda_ok = tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
+            known = (True, "")
+            if major != 9 or not cuda_ok:
+                name = torch.cuda.get_device_name()
+                known = (False, f"Float8BlockScaling needs a Hopper GPU (compute capability 9.x) and CUDA >= 12.9; "
+                                f"{name} has {major}.{minor} and torch was built with CUDA {cuda}")
+            _FP8_CAPABLE[key] = known
+        ok, reason = known
+    return (ok, reason) if return_reason else ok
+
+
+def check_recipe_runs(recipe: Recipe) -> None:
+    """One line naming what is missing when this recipe cannot run here."""
+    from te_parallel.recipe import UNSUPPORTED_SCALING
+
+    if recipe.scaling in UNSUPPORTED_SCALING:
+        raise NotImplementedError(f"fp8_autocast: {UNSUPPORTED_SCALING[recipe.scaling]} is not implemented in "
+                                  f"te_parallel; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
+    if recipe.scaling == "block":
+        ok, reason = is_fp8_block_scaling_available(return_reason=True)
+        if not ok:
+            raise RuntimeError(f"fp8_autocast: {reason}")
+
+
 _DEFAULT_RECIPE = DelayedScaling()  # the recipe of fp8_autocast(fp8_recipe=None), made once (it is frozen)
 
 
@@ -229,7 +266,15 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
         if recipe is None:
             recipe = _DEFAULT_RECIPE
         elif not isinstance(recipe, Recipe):
-            raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling), got {recipe!r}")
+            raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling, "
+                            f"Float8BlockScaling), got {recipe!r}")
+        if self.enabled or self.calibrating:
+            check_recipe_runs(recipe)
+            outer = next((f for f in reversed(_TLS.frames) if f.enabled or f.calibrating), None)
+            if outer is not None and outer.recipe.scaling != recipe.scaling:
+                raise ValueError(f"fp8_autocast: a {type(recipe).__name__} region inside a {type(outer.recipe).__name__} "
+                                 f"region; one forward pass runs one recipe kind (close the outer region first, or "
+                                 f"give both the same recipe)")
         _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group))
 
     @torch.compiler.disable

@@ -74,6 +74,12 @@ class BlockwiseTensor:
         other.transposed()
         return other
 
+    def rowwise_only(self) -> "BlockwiseTensor":
+        """The rowwise direction alone (what fprop reads, and what its all-gather moves)."""
+        if self.data_t is None:
+            return self
+        return BlockwiseTensor(self.data, self.scale_inv, None, None, self.block_dim, self.fp8_dtype, self.shape)
+
     def only_columnwise(self) -> "BlockwiseTensor":
         """Keep the columnwise direction only (what wgrad reads); the rowwise bytes are freed."""
         self.transposed()

@@ -38,7 +38,7 @@ def intensity(m: int, k: int, n: int) -> float:
 def auto_threshold(recipe, device: torch.device) -> float:
     """The break-even intensity of min_fp8_gemm="auto" for this recipe on `device` (0: none measured),
     resolved (and logged) once per device and recipe kind."""
-    kind = "delayed" if recipe.delayed() else "current"
+    kind = recipe.scaling
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, kind)
     if key not in _RESOLVED:

@@ -241,6 +241,12 @@ def te_recipe(recipe: Recipe, extra_fields: Optional[dict] = None) -> _TEObject:
         name = "DelayedScaling"
     else:
         name = "Float8CurrentScaling"
+        if recipe.scaling == "block":
+            name = "Float8BlockScaling"
+            for role, key in (("x", "fp8_quant_fwd_inp"), ("w", "fp8_quant_fwd_weight"), ("grad", "fp8_quant_bwd_grad")):
+                qp = recipe.qparams(role)
+                fields[key] = _TEObject("QParams", {"power_2_scale": qp.power_2_scale, "amax_epsilon": qp.amax_epsilon})
+                fields[f"{role}_block_scaling_dim"] = recipe.block_dim(role)
         for gemm in ("fprop", "dgrad", "wgrad"):
             mm = getattr(recipe, f"fp8_gemm_{gemm}")
             fields[f"fp8_gemm_{gemm}"] = _TEObject("MMParams", {"use_split_accumulator": mm.use_split_accumulator})
@@ -255,7 +261,7 @@ def state_to_te(tensors: Dict[str, torch.Tensor], num_gemms: int, recipe: Recipe
     counts = [int(v) for v in tensors["update_count"].tolist()]
     state = {"recipe": te_recipe(recipe, extra_fields),
              "extra_fp8_variables": {"num_gemms": num_gemms, "fp8_checkpoint": True, "te_parallel_update_count": counts}}
-    if not recipe.delayed():
+    if recipe.scaling != "delayed":
         return state
     for direction, te_per, ours_per in (("fwd", 3, 2), ("bwd", 2, 1)):
         cols = _te_columns(num_gemms, te_per, ours_per)

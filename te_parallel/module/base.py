@@ -110,6 +110,12 @@ def add_residual(name: str, out: torch.Tensor, residual: torch.Tensor) -> torch.
     return out + residual
 
 
+def weight_kind(recipe) -> tuple:
+    """What an FP8 weight cast depends on besides the values and the format: the recipe's scaling, and the
+    block shape under block scaling (a cached weight of another kind is cast again)."""
+    return (recipe.scaling, getattr(recipe, "w_block_scaling_dim", 0))
+
+
 class FP8Module(nn.Module):
     """Base of the GEMM modules: owns `fp8_state` and the quantized-weight cache.
 
@@ -160,7 +166,7 @@ class FP8Module(nn.Module):
             return None
         recipe, group = frame.recipe, self._fp8_group(frame)
         state = self._modules["fp8_state"]  # (not nn.Module.__getattr__: this runs on every forward)
-        delayed = recipe.delayed()
+        delayed = recipe.scaling == "delayed"
         compiling = torch.compiler.is_compiling()
         # delayed scaling: each backward cast asks for the backward scale update at the end of backward
         # (in a graph through the bookkeeping op: te_parallel.fp8.compiled)
@@ -199,9 +205,9 @@ class FP8Module(nn.Module):
         fmt = cfg.recipe.fp8_format
         if is_first_microbatch is False and not self._always_recast:  # TE's "reuse": no versions to read
             hit = self._weight_cache.get(cfg.gemm)
-            if hit is not None and hit[0][1] is fmt.fwd_dtype and hit[0][2] == cfg.recipe.delayed():
+            if hit is not None and hit[0][1] is fmt.fwd_dtype and hit[0][2] == weight_kind(cfg.recipe):
                 return hit[1]
-        key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, cfg.recipe.delayed())
+        key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, weight_kind(cfg.recipe))
         keep = (is_first_microbatch is not None or not torch.is_grad_enabled()
                 or not any(p.requires_grad for p in params))
         # A training forward without TE's micro-batch flag always casts (as TE does): the version key
@@ -239,7 +245,7 @@ class FP8Module(nn.Module):
         it (the key holds no versions, so the graph for False reads nothing that changes per step). The
         graph keeps W for backward itself (no WeightSource: its version check cannot be traced)."""
         fmt = cfg.recipe.fp8_format
-        key = (None, fmt.fwd_dtype, cfg.recipe.delayed())
+        key = (None, fmt.fwd_dtype, weight_kind(cfg.recipe))
         if is_first_microbatch is False and not self._always_recast:
             hit = self._weight_cache.get(cfg.gemm)
             if hit is not None and hit[0] == key:
@@ -314,6 +320,9 @@ class GemmModule(FP8Module, TensorParallelMixin):
                 f"{type(self).__name__}: FP8 GEMMs need in and out features that are multiples of 16 (TE's rule; "
                 f"any token count is fine), got a weight of {tuple(weight.shape)} on this rank; use such sizes or run "
                 "this layer outside fp8_autocast")
+        if frame is not None and frame.enabled and frame.recipe.scaling == "block" and par.ub is not None:
+            raise ValueError(f"{type(self).__name__}: comm-GEMM overlap (ub_*) runs with per-tensor recipes (DelayedScaling, "
+                             f"Float8CurrentScaling), not Float8BlockScaling; turn the ub_* flags off for block scaling")
         fp8 = self._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
         targets = params.wgrad_targets(self) if self.fuse_wgrad_accumulation else None
         return weight, bias, (fp8, targets, par, torch.is_grad_enabled())

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise
 from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
@@ -43,7 +44,22 @@ class GemmFP8:
 
     @property
     def delayed(self) -> bool:
-        return self.recipe.delayed()
+        return self.recipe.scaling == "delayed"
+
+    @property
+    def block(self) -> bool:
+        return self.recipe.scaling == "block"
+
+    def _cast_block(self, x: torch.Tensor, role: str, dtype: torch.dtype, columnwise: bool, dbias_out=None):
+        """Block scaling: x quantized in its role's tiles ("x", "w", "grad"), with the columnwise direction
+        when a GEMM over its rows needs it (wgrad's x and dy; a 1x128-tiled weight's dgrad). dbias_out: the
+        column sums of x, as the per-tensor casts fuse them."""
+        recipe = self.recipe
+        dim, qp = recipe.block_dim(role), recipe.qparams(role)
+        if dbias_out is not None:
+            dbias_out.copy_(x.sum(0, dtype=torch.float32))
+        return quantize_blockwise(x, dtype, dim, rowwise=True, columnwise=columnwise or (role == "w" and dim == 1),
+                                  pow2=qp.power_2_scale, eps=qp.amax_epsilon)
 
     def _slot(self, backward: bool) -> int:
         return self.gemm if backward else FP8ScalingState.input_slot(self.gemm)
@@ -55,6 +71,8 @@ class GemmFP8:
         the column sums of x (see quantize)."""
         fmt = self.recipe.fp8_format
         dtype = fmt.bwd_dtype if backward else fmt.fwd_dtype
+        if self.block:
+            return self._cast_block(x, "grad" if backward else "x", dtype, transpose, dbias_out)
         if not self.delayed:
             amax = _reduce_amax(amax_of(x), amax_group) if _spans_ranks(amax_group) else None
             return quantize_current(x, dtype, amax=amax, transpose=transpose, dbias_out=dbias_out,
@@ -117,6 +135,8 @@ class GemmFP8:
     def quantize_weight(self, w: torch.Tensor, amax_group=None) -> Float8Tensor:
         """The weight W [N, K] (a shard under TP), with a snapshot of its scale; its transpose is made
         when dgrad needs it."""
+        if self.block:  # (each block's scale is its own: no amax to agree on across ranks)
+            return self._cast_block(w, "w", self.recipe.fp8_format.fwd_dtype, False)
         slot = FP8ScalingState.weight_slot(self.gemm)
         return self._cast(w, slot, backward=False, transpose=False, amax_group=amax_group, keep_scale=True)
 
@@ -127,7 +147,9 @@ class GemmFP8:
         with the forward instead of living until backward (docs/fp8.md, "FP8 weights are not kept
         from forward to backward")."""
         w, self.weight = self.weight, None
-        if self.weight_src is None or w.scale is None:
+        if self.block and self.weight_src is not None and w.data_t is None:
+            return BlockWeightSource(self.weight_src, w, self.recipe)
+        if self.block or self.weight_src is None or w.scale is None:
             return w
         return WeightSource(self.weight_src, w.scale, w.scale_inv, w.fp8_dtype)
 
@@ -222,3 +244,25 @@ class WeightSource:
                 f"backward (version {self.version} -> {self.weight._version}); update weights after backward")
         q = quantize(self.weight.detach(), self.scale, self.fp8_dtype, transpose=True, rowwise=False)
         return Float8Tensor(q.data, self.scale_inv, q.data_t)
+
+
+class BlockWeightSource:
+    """Backward's handle on a block-scaled FP8 weight that was not kept after forward: `with_transpose()`
+    quantizes the high-precision weight again, columnwise only. Block scales are a pure function of the
+    values, so the bytes are those of the forward's W, transposed (128x128 blocks) or tiled along the other
+    dim (1x128), written straight into the [K, N] layout dgrad reads."""
+
+    __slots__ = ("weight", "recipe", "version", "shape", "fp8_dtype")
+
+    def __init__(self, weight: torch.Tensor, w: BlockwiseTensor, recipe) -> None:
+        self.weight, self.recipe, self.version = weight, recipe, weight._version
+        self.shape, self.fp8_dtype = w.shape, w.fp8_dtype
+
+    def with_transpose(self) -> BlockwiseTensor:
+        if not torch.compiler.is_compiling() and self.weight._version != self.version:
+            raise RuntimeError(
+                f"an FP8 weight of shape {tuple(self.weight.shape)} was modified in place between forward and "
+                f"backward (version {self.version} -> {self.weight._version}); update weights after backward")
+        qp = self.recipe.qparams("w")
+        return quantize_blockwise(self.weight.detach(), self.fp8_dtype, self.recipe.block_dim("w"), rowwise=False,
+                                  columnwise=True, pow2=qp.power_2_scale, eps=qp.amax_epsilon)

@@ -27,6 +27,7 @@ import torch
 
 from te_parallel.native import gemm as native_gemm
 from te_parallel.native import torch_ops as native_ops
+from te_parallel.fp8.blockwise import BLOCK, BlockwiseTensor
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.recipe import MMParams
 
@@ -174,21 +175,140 @@ def _cpu_fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, accumulate=None
 def fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None, accumulate: Optional[torch.Tensor] = None, mm: MMParams = EXACT):
     """y [M, N] = x [M, K] · W[N, K]ᵀ (+ accumulate); mm: the recipe's fp8_gemm_fprop."""
+    if type(x) is BlockwiseTensor:
+        return block_mm(*_rows_operand(x), *_rows_operand_b(w), out_dtype, bias, "fprop", out, accumulate)
     return fp8_mm(x.data, x.scale_inv, w.data.t(), w.scale_inv, out_dtype, bias, "fprop", out, mm, accumulate)
 
 
 def dgrad(dy: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
           accumulate: Optional[torch.Tensor] = None, mm: MMParams = EXACT):
     """dx [M, K] = dy [M, N] · W [N, K] (+ accumulate); mm: the recipe's fp8_gemm_dgrad."""
+    if type(dy) is BlockwiseTensor:
+        return block_mm(*_rows_operand(dy), *_cols_operand_b(w), out_dtype, None, "dgrad", out, accumulate)
     return fp8_mm(dy.data, dy.scale_inv, w.transposed().t(), w.scale_inv, out_dtype, None, "dgrad", out, mm,
                   accumulate)
 
 
 def wgrad(dy: Float8Tensor, x: Float8Tensor, out_dtype: torch.dtype, mm: MMParams = EXACT):
     """dW [N, K] = dy [M, N]ᵀ · x [M, K]; mm: the recipe's fp8_gemm_wgrad."""
+    if type(dy) is BlockwiseTensor:
+        return block_mm(*_cols_operand(dy), *_cols_operand_b(x), out_dtype, None, "wgrad")
     return fp8_mm(dy.transposed(), dy.scale_inv, x.transposed().t(), x.scale_inv, out_dtype, None, "wgrad", mm=mm)
 
 
 def fp8_mm_reference(a: Float8Tensor, b: Float8Tensor) -> torch.Tensor:
     """fp64 reference of fprop: dequantize both operands, multiply in fp64 (a [M, K], b [N, K])."""
     return (a.data.double() * a.scale_inv.double()) @ (b.data.double() * b.scale_inv.double()).t()
+
+
+# --- block-scaled operands (Float8BlockScaling) -----------------------------------------------------------
+# The GEMM is chosen by the pair of operand granularities: two per-tensor operands take fp8_mm above; a
+# 1x128-tiled A with a 1x128-tiled or 128x128-block B takes block_mm, cuBLASLt's block-scaled FP8 modes
+# through torch._scaled_mm (CUDA >= 12.9 on sm_90). Operands reach block_mm in the layouts that call reads,
+# with no copy (te_parallel.fp8.blockwise's module doc): A [M, K] row-major with its scales [M, K/128]
+# (strides (1, M)); B [K, N] column-major with [K/128, N] (1x128 tiles) or [K/128, N/128] (blocks).
+# cuBLASLt's block-scaled modes always accumulate with split accumulation (Float8BlockScaling enforces it).
+
+
+def _rows_operand(t: BlockwiseTensor):
+    """A operand from the rowwise direction of t [M, K]: (data, scales as the GEMM reads them, block dim)."""
+    if t.block_dim == 1:
+        return t.data, t.scale_inv.t(), 1
+    return t.data, t.scale_inv, 2
+
+
+def _cols_operand(t: BlockwiseTensor):
+    """A operand from the columnwise direction of t [M, N] (A = tᵀ [N, M], a GEMM over M)."""
+    data_t = t.transposed()
+    if t.block_dim == 1:
+        return data_t, t.scale_inv_t.t(), 1
+    return data_t, t.scale_inv_t, 2
+
+
+def _rows_operand_b(w: BlockwiseTensor):
+    """B = wᵀ [K, N] column-major from w [N, K]'s rowwise direction (fprop's weight)."""
+    if w.block_dim == 1:
+        return w.data.t(), w.scale_inv, 1
+    return w.data.t(), w.scale_inv.t(), 2
+
+
+def _cols_operand_b(w):
+    """B [N, K] column-major from w [N, K]'s columnwise direction: dgrad's W (its transposed bytes) and
+    wgrad's x. A weight whose columnwise bytes are made from the high-precision values in backward comes
+    as a source that makes them (ops.fp8_gemm_config.BlockWeightSource)."""
+    if not isinstance(w, BlockwiseTensor):
+        w = w.with_transpose()
+    data_t = w.transposed()
+    if w.block_dim == 1:
+        return data_t.t(), w.scale_inv_t, 1
+    return data_t.t(), w.scale_inv_t.t(), 2
+
+
+def block_mm(a: torch.Tensor, sa: torch.Tensor, a_dim: int, b: torch.Tensor, sb: torch.Tensor, b_dim: int,
+             out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, what: str = "",
+             out: Optional[torch.Tensor] = None, accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(A · its block scales) @ (B · its block scales) (+ bias) (+ accumulate), accumulated in fp32.
+
+    a [M, K] FP8 row-major, sa [M, K/128] (1x128) or [M/128, K/128] (blocks); b [K, N] FP8 column-major,
+    sb [K/128, N] (1x128) or [K/128, N/128] (blocks); K/128 etc. rounded up. Two 128x128-block operands
+    are refused (no kernel multiplies them). On the CPU: both operands dequantized, multiplied in fp32."""
+    _check(a, b, out_dtype, what)
+    if a_dim == 2 and b_dim == 2:
+        raise ValueError(f"block-scaled {what} GEMM of two 128x128-block operands is not supported; quantize one of "
+                         f"them in 1x128 tiles (Float8BlockScaling's *_block_scaling_dim)")
+    m, k = a.shape
+    n = b.shape[1]
+    if a.is_cpu:
+        result = _expand(a, sa, a_dim, False) @ _expand(b, sb, b_dim, True)
+        if bias is not None:
+            result = result + bias.to(torch.float32)
+        if accumulate is not None:
+            result = result + accumulate.to(torch.float32)
+        result = result.to(out_dtype)
+        return result if out is None else out.copy_(result)
+    if (m | k | n) & 15:
+        return _padded_block_mm(a, sa, a_dim, b, sb, b_dim, out_dtype, bias, what, out, accumulate)
+    if a_dim == 1:
+        sa = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
+    elif not sa.is_contiguous():
+        sa = sa.contiguous()
+    result = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
+    if bias is not None:
+        result = result.add_(bias.to(out_dtype))
+    if accumulate is not None:
+        result = result.add_(accumulate)
+    return result if out is None else out.copy_(result)
+
+
+def _expand(data: torch.Tensor, scales: torch.Tensor, dim: int, is_b: bool) -> torch.Tensor:
+    """fp32 values of an operand as block_mm takes it (A [M, K] with [M, K/128] or [M/128, K/128] scales; B
+    [K, N] with [K/128, N] or [K/128, N/128])."""
+    f = data.to(torch.float32)
+    r, c = f.shape
+    s = scales.to(torch.float32)
+    if is_b:  # tiles run along K = the rows of B
+        s = s.repeat_interleave(BLOCK, dim=0)[:r]
+        return f * (s if dim == 1 else s.repeat_interleave(BLOCK, dim=1)[:, :c])
+    s = s.repeat_interleave(BLOCK, dim=1)[:, :c]
+    return f * (s if dim == 1 else s.repeat_interleave(BLOCK, dim=0)[:r])
+
+
+def _padded_block_mm(a, sa, a_dim, b, sb, b_dim, out_dtype, bias, what, out, accumulate):
+    """block_mm with M, K, N rounded up to multiples of 16 by zero bytes (within the last tile of K, so the
+    scales keep their shape; padded rows and columns get scale 1 and add nothing)."""
+    (m, k), n = a.shape, b.shape[1]
+    rows, inner, cols = (-(-v // 16) * 16 for v in (m, k, n))
+    a_pad = _zero_padded(a, rows, inner)
+    b_pad = _zero_padded(b.t(), cols, inner).t()
+    if a_dim == 1 and rows != m:
+        sa = torch.nn.functional.pad(sa, (0, 0, 0, rows - m), value=1.0)
+    if a_dim == 2 and -(-rows // BLOCK) != sa.shape[0]:
+        sa = torch.nn.functional.pad(sa, (0, 0, 0, -(-rows // BLOCK) - sa.shape[0]), value=1.0)
+    if b_dim == 1 and cols != n:
+        sb = torch.nn.functional.pad(sb, (0, cols - n), value=1.0)
+    if b_dim == 2 and -(-cols // BLOCK) != sb.shape[1]:
+        sb = torch.nn.functional.pad(sb, (0, -(-cols // BLOCK) - sb.shape[1]), value=1.0)
+    bias_pad = None if bias is None else torch.nn.functional.pad(bias, (0, cols - n))
+    acc_pad = None if accumulate is None else torch.nn.functional.pad(accumulate, (0, cols - n, 0, rows - m))
+    result = block_mm(a_pad, sa, a_dim, b_pad, sb, b_dim, out_dtype, bias_pad, what, None, acc_pad)[:m, :n]
+    return result.contiguous() if out is None else out.copy_(result)

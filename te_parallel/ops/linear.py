@@ -28,10 +28,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from te_parallel.fp8.blockwise import BLOCK, BlockwiseTensor
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
 from te_parallel.ops import linear_overlap as ov
-from te_parallel.ops.fp8_gemm_config import WeightSource
+from te_parallel.ops.fp8_gemm_config import BlockWeightSource, WeightSource
 from te_parallel.parallel.collectives import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from te_parallel.parallel.groups import group_size
 
@@ -93,6 +94,7 @@ class LinearParallel:
 
 
 SINGLE = LinearParallel()
+QUANTIZED = (Float8Tensor, BlockwiseTensor)  # the GEMM operands of an FP8 recipe (gemm.py dispatches on the pair)
 
 
 def _accumulate_main_grad(targets: List[WgradTarget], dw: torch.Tensor) -> None:
@@ -110,11 +112,45 @@ def _accumulate_main_grad(targets: List[WgradTarget], dw: torch.Tensor) -> None:
 
 
 def _gather(t, group, async_op=False):
-    """All-gather dim 0 of a high-precision tensor or of FP8 bytes (which keep their shared scale_inv)."""
+    """All-gather dim 0 of a high-precision tensor or of FP8 bytes (which keep their shared scale_inv); a
+    block-scaled tensor moves its bytes and its scales, each direction it has (synchronously)."""
+    if type(t) is BlockwiseTensor:
+        return _gather_block(t, group), None
     if isinstance(t, Float8Tensor):
         data, handle = all_gather_dim0(t.data, group, async_op)
         return Float8Tensor(data, t.scale_inv), handle
     return all_gather_dim0(t, group, async_op)
+
+
+def _gather_block(t: BlockwiseTensor, group) -> BlockwiseTensor:
+    """The rows of every rank's 1x128-tiled tensor, in rank order: rowwise bytes [M/tp, K] and scales
+    [K/128, M/tp] join along rows, columnwise bytes [K, M/tp] along columns and their scales [M/tp/128, K]
+    along rows (the tiles along M are whole on each rank: block_gather_ok)."""
+    tp = group_size(group)
+    data = scale_inv = data_t = scale_inv_t = None
+    if t.data is not None:
+        data = all_gather_dim0(t.data, group)[0]
+        kt, m = t.scale_inv.shape
+        parts = all_gather_dim0(t.scale_inv.reshape(1, kt * m), group)[0].view(tp, kt, m)
+        scale_inv = parts.permute(1, 0, 2).reshape(kt, tp * m)
+    if t.data_t is not None:
+        k, m = t.data_t.shape
+        parts = all_gather_dim0(t.data_t.view(torch.uint8).reshape(1, k * m), group)[0].view(tp, k, m)
+        data_t = parts.permute(1, 0, 2).reshape(k, tp * m).view(t.fp8_dtype)
+        scale_inv_t = all_gather_dim0(t.scale_inv_t, group)[0]
+    return BlockwiseTensor(data, scale_inv, data_t, scale_inv_t, 1, t.fp8_dtype,
+                           torch.Size((tp * t.shape[0], t.shape[1])))
+
+
+def block_gather_ok(fp8, rows: int) -> bool:
+    """Block scaling: a shard of `rows` rows can be cast before the all-gather (FP8 bytes on the wire) when
+    its 1x128 tiles along the rows are the gathered tensor's, i.e. rows is a multiple of 128. Otherwise the
+    high-precision rows are gathered and cast after (the bytes of one process's cast either way)."""
+    return rows % BLOCK == 0
+
+
+def _is_block(fp8) -> bool:
+    return fp8 is not None and fp8.compute and fp8.recipe.scaling == "block"
 
 
 def _mm(fp8, which: str):
@@ -123,7 +159,7 @@ def _mm(fp8, which: str):
 
 
 def _fprop(x, w, bias, out_dtype, fp8=None, accumulate=None):
-    if isinstance(x, Float8Tensor):
+    if isinstance(x, QUANTIZED):
         return gemm.fprop(x, w, out_dtype, bias, accumulate=accumulate, mm=_mm(fp8, "fp8_gemm_fprop"))
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
@@ -131,11 +167,11 @@ def _fprop(x, w, bias, out_dtype, fp8=None, accumulate=None):
 
 
 def _dgrad(dy, w, out_dtype, fp8=None):
-    return gemm.dgrad(dy, w, out_dtype, mm=_mm(fp8, "fp8_gemm_dgrad")) if isinstance(dy, Float8Tensor) else dy @ w
+    return gemm.dgrad(dy, w, out_dtype, mm=_mm(fp8, "fp8_gemm_dgrad")) if isinstance(dy, QUANTIZED) else dy @ w
 
 
 def _wgrad(dy, x, out_dtype, fp8=None):
-    if isinstance(dy, Float8Tensor):
+    if isinstance(dy, QUANTIZED):
         return gemm.wgrad(dy, x, out_dtype, mm=_mm(fp8, "fp8_gemm_wgrad"))
     return (dy.t() @ x).to(out_dtype)
 
@@ -189,6 +225,9 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
     # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
     regather = gathers and (par.fp8_gather or fp8 is None or not fp8.compute or overlap)
+    block = _is_block(fp8)
+    if block and regather and not block_gather_ok(fp8, x2d.shape[0]):
+        regather = False
     fused = None
     if x_q is None and accumulate is None and fp8 is not None and fp8.compute and not (gathers or overlap or row) \
             and (fp8.delayed or not par.active):
@@ -212,8 +251,11 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
         s.w_saved = fp8.weight_for_backward()
     s.x_saved, s.regather = None, regather
     if need_wgrad:  # the local shard when backward re-gathers it, else (FP8) xᵀ only
-        keep = regather or not isinstance(x_local, Float8Tensor)
-        s.x_saved = x_local if keep else _only_transposed(x_local)
+        if type(x_local) is BlockwiseTensor:  # (re-gathered or not, backward reads its columnwise direction)
+            s.x_saved = x_local.only_columnwise()
+        else:
+            keep = regather or not isinstance(x_local, Float8Tensor)
+            s.x_saved = x_local if keep else _only_transposed(x_local)
     return y2d, s
 
 
@@ -227,8 +269,10 @@ def _fprop_operands(x2d, weight, fp8, par: LinearParallel, act_dtype, x_q, need_
     if par.gathers_input and not regather:
         x2d = _gather(x2d, par.group)[0]
     if fp8 is not None and fp8.compute:
-        # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward
-        return fp8.cast_input(x2d, transpose=need_wgrad and not regather, amax_group=par.amax_group), fp8.weight
+        # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward (block scaling:
+        # its columnwise tiles come from this cast, and backward gathers them)
+        transpose = need_wgrad and (not regather or _is_block(fp8))
+        return fp8.cast_input(x2d, transpose=transpose, amax_group=par.amax_group), fp8.weight
     if fp8 is not None:
         fp8.record_amax(x2d, backward=False)
     return x2d, (weight if weight.dtype == act_dtype else weight.to(act_dtype))
@@ -246,6 +290,8 @@ def _fprop_on_ranks(x_local, w_used, bias, fp8, par: LinearParallel, act_dtype, 
     if par.overlap_fprop:  # row: reduce-scatter by destination chunk under the GEMM
         fp = lambda a, out, acc=None: ov.fprop_into(a, w_used, None, out, acc, mm=mm)  # noqa: E731
         return ov.gemm_rs(par.ub, x_local, fp, out_features, act_dtype, par.ub_fprop, w=w_used, mm=mm)
+    if regather and type(x_local) is BlockwiseTensor:
+        x_local = x_local.rowwise_only()  # (backward gathers the columnwise tiles it saved)
     x_used = _gather(x_local, par.group)[0] if regather else x_local
     y2d = _fprop(x_used, w_used, None if row else bias, act_dtype, fp8)
     return _reduce_output(y2d, par) if row else y2d
@@ -266,20 +312,26 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
     fp8, targets, par = s.fp8, s.targets, s.par
     if dx_rows is not None and (par.overlap_dgrad or (par.active and par.mode == "column") or not need_dx):
         raise ValueError("linear_bwd: dx_rows needs dx without a cross-rank reduction or dgrad overlap")
+    gathered = False
+    if dy_q is None and _is_block(fp8) and par.gathers_grad and not block_gather_ok(fp8, dy2d.shape[0]):
+        dy2d, gathered = _gather(dy2d, par.group)[0], True  # (the tiles of a shard would not be the whole's)
+        if need_dbias:
+            dbias = dy2d.sum(0)
+            need_dbias = False
     if dy_q is not None:
         dy = dy_q
     elif fp8 is not None and fp8.compute:
         # dyᵀ for wgrad and the bias gradient from the cast's read of dy (the gathered dy, if any,
         # is transposed after the gather)
         dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else None
-        dy = fp8.cast_grad(dy2d, transpose=need_dw and not par.gathers_grad, amax_group=par.amax_group,
-                           dbias_out=dbias)
+        transpose = need_dw and (not par.gathers_grad or _is_block(fp8))
+        dy = fp8.cast_grad(dy2d, transpose=transpose, amax_group=par.amax_group, dbias_out=dbias)
     else:
         if fp8 is not None:
             fp8.record_amax(dy2d, backward=True)
         dy = dy2d
         dbias = dy2d.sum(0) if need_dbias else None
-    if dbias is not None and par.gathers_grad and par.sum_sp_bias_grad:  # each rank summed its own M/tp tokens
+    if dbias is not None and par.gathers_grad and par.sum_sp_bias_grad and not gathered:  # each rank: its M/tp tokens
         all_reduce(dbias, par.group)
     if need_dx and dx_rows is None:
         _make_weight_transpose(s)
@@ -287,7 +339,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
     if par.overlap_dgrad and (par.mode == "row" or s.regather):
         dx2d, dy, dw = _overlapped_backward(s, dy, need_dx, need_dw)
     else:
-        dx2d, dw = _backward(s, dy, need_dx, need_dw, dx_rows)
+        dx2d, dw = _backward(s, dy, need_dx, need_dw, dx_rows, gathered)
     if targets and dw is not None:
         _accumulate_main_grad(targets, dw)
         dw = None
@@ -387,10 +439,11 @@ def keep_graph() -> bool:
     return True if fn is None else bool(fn())
 
 
-def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None):
-    """dgrad and wgrad with NCCL collectives (async where a GEMM can hide them; see the module doc)."""
+def _backward(s, dy, need_dx: bool, need_dw: bool, dx_rows=None, gathered: bool = False):
+    """dgrad and wgrad with NCCL collectives (async where a GEMM can hide them; see the module doc).
+    gathered: dy is already the gathered gradient (block scaling of shards whose tiles would not align)."""
     par, targets = s.par, s.targets
-    if par.gathers_grad:
+    if par.gathers_grad and not gathered:
         dy = _gather(dy, par.group)[0]
     if dx_rows is not None:
         return None, _wgrad_then_dgrad_rows(s, dy, need_dw, *dx_rows)
@@ -420,7 +473,9 @@ def _release_dgrad_operands(s, dy) -> None:
     when their backward has run"). dy here is always this backward's own tensor; the caller checks that
     the graph is not kept."""
     s.w_saved = None
-    if isinstance(dy, Float8Tensor):
+    if type(dy) is BlockwiseTensor:
+        dy.drop_rowwise()
+    elif isinstance(dy, Float8Tensor):
         dy.transposed()
         dy.data = dy.data_t.t()  # same shape, a view of the transposed bytes: the row-major ones are freed
 
@@ -428,21 +483,25 @@ def _release_dgrad_operands(s, dy) -> None:
 def _make_weight_transpose(s) -> None:
     """Wᵀ for dgrad, made once per backward and dropped with it: from the cached FP8 W, or re-encoded
     from the high-precision weight (docs/fp8.md, "Which cast makes which transpose")."""
-    if isinstance(s.w_saved, (Float8Tensor, WeightSource)):
+    if isinstance(s.w_saved, (Float8Tensor, WeightSource, BlockwiseTensor, BlockWeightSource)):
         s.w_saved = s.w_saved.with_transpose()
 
 
 def _wgrad_then_dgrad_rows(s, dy, need_dw: bool, chunk: int, consume):
     """wgrad first, so that its operands (xᵀ, dyᵀ) are freed before dx exists; then dx chunk by chunk."""
     dw = _wgrad(dy, s.x_saved, torch.float32 if s.targets else s.weight_dtype, s.fp8) if need_dw else None
-    if isinstance(dy, Float8Tensor):
+    if isinstance(dy, (Float8Tensor, BlockwiseTensor)):
         dy.data_t = None  # dyᵀ was wgrad's; this backward's own tensor
     if not keep_graph():
         s.x_saved = None
     _make_weight_transpose(s)  # only now: after wgrad has released its operands
     for r0 in range(0, _rows_of(dy), chunk):
-        rows = (Float8Tensor(dy.data[r0 : r0 + chunk], dy.scale_inv) if isinstance(dy, Float8Tensor)
-                else dy[r0 : r0 + chunk])
+        if type(dy) is BlockwiseTensor:
+            rows = dy.row_slice(r0, min(r0 + chunk, _rows_of(dy)))
+        elif isinstance(dy, Float8Tensor):
+            rows = Float8Tensor(dy.data[r0 : r0 + chunk], dy.scale_inv)
+        else:
+            rows = dy[r0 : r0 + chunk]
         consume(r0, _dgrad(rows, s.w_saved, s.act_dtype, s.fp8))
     return dw
 
@@ -482,10 +541,12 @@ def _overlapped_backward(s, dy, need_dx: bool, need_dw: bool):
 
 
 def _rows_of(t) -> int:
-    return t.data.shape[0] if isinstance(t, Float8Tensor) else t.shape[0]
+    return t.shape[0] if type(t) is BlockwiseTensor else t.data.shape[0] if isinstance(t, Float8Tensor) else t.shape[0]
 
 
 def _device_of(t) -> torch.device:
+    if type(t) is BlockwiseTensor:
+        return (t.data if t.data is not None else t.data_t).device
     return t.data.device if isinstance(t, Float8Tensor) else t.device
 
 

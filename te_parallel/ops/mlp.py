@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from te_parallel.fp8.blockwise import BlockwiseTensor
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import activation as native_act
 from te_parallel.ops import activation as _act
@@ -93,7 +94,7 @@ def _two_pass_fp8(name: str, h: torch.Tensor, fc2: Optional[GemmFP8], fc2_par: L
     """fc2 casts its input under current scaling and the kernels can run: the activation is computed
     twice, once for the amax and once straight to FP8, instead of writing act(h) in high precision and
     reading it twice (amax, cast). Not when fc2's input is gathered (fc2 is row-parallel: it never is)."""
-    return (fc2 is not None and fc2.compute and not fc2.delayed and not fc2_par.gathers_input
+    return (fc2 is not None and fc2.compute and fc2.recipe.scaling == "current" and not fc2_par.gathers_input
             and native_act.usable(name, h))
 
 
@@ -183,7 +184,7 @@ class FusedMLPFunction(torch.autograd.Function):
         dx = dw1 = None
         if need_fc1:
             g, db1 = _fc1_operand(ctx, s1, g, db1, need_w1, need_db1)  # (a high-precision g is freed here)
-            if isinstance(g, Float8Tensor):
+            if isinstance(g, (Float8Tensor, BlockwiseTensor)):
                 dx, dw1, db1 = linear_bwd(s1, None, need_x, need_w1, db1 is not None, dy_q=g, dbias=db1)
             else:
                 dx, dw1, db1 = linear_bwd(s1, g, need_x, need_w1, need_db1)
