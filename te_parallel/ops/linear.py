@@ -315,7 +315,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
     gathered = False
     if dy_q is None and _is_block(fp8) and par.gathers_grad and not block_gather_ok(fp8, dy2d.shape[0]):
         dy2d, gathered = _gather(dy2d, par.group)[0], True  # (the tiles of a shard would not be the whole's)
-        if need_dbias:
+        if need_dbias:  # (of the whole sequence: no sum across ranks after)
             dbias = dy2d.sum(0)
             need_dbias = False
     if dy_q is not None:
@@ -323,14 +323,15 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
     elif fp8 is not None and fp8.compute:
         # dyᵀ for wgrad and the bias gradient from the cast's read of dy (the gathered dy, if any,
         # is transposed after the gather)
-        dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else None
+        dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else dbias
         transpose = need_dw and (not par.gathers_grad or _is_block(fp8))
-        dy = fp8.cast_grad(dy2d, transpose=transpose, amax_group=par.amax_group, dbias_out=dbias)
+        dy = fp8.cast_grad(dy2d, transpose=transpose, amax_group=par.amax_group,
+                           dbias_out=dbias if need_dbias else None)
     else:
         if fp8 is not None:
             fp8.record_amax(dy2d, backward=True)
         dy = dy2d
-        dbias = dy2d.sum(0) if need_dbias else None
+        dbias = dy2d.sum(0) if need_dbias else dbias
     if dbias is not None and par.gathers_grad and par.sum_sp_bias_grad and not gathered:  # each rank: its M/tp tokens
         all_reduce(dbias, par.group)
     if need_dx and dx_rows is None:

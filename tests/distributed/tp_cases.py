@@ -21,7 +21,13 @@ from tests.distributed.harness import agree
 from tests.reference import rel_err
 
 S, B, H, N = 16, 4, 32, 128  # sequence, batch, hidden (in), out / ffn (TP=8 shards: 16, FP8's minimum)
-RECIPES = {"off": None, "delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}
+RECIPES = {"off": None, "delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling(),
+           "block": R.Float8BlockScaling()}
+# Block scaling: sizes at which every rank's tiles are the one process's (out / ffn shards and sequence shards of
+# whole 128-row tiles at TP=2 and 4), so the TP modules quantize exactly as the reference does; BLOCK_DIMS_GATHER_HP
+# has sequence shards of 96 rows at TP=2 (the high-precision gather, then the cast).
+BLOCK_DIMS = (64, 8, 128, 512)
+BLOCK_DIMS_GATHER_HP = (48, 4, 128, 512)
 
 
 def tol(recipe_name: str, device: torch.device) -> float:
@@ -43,8 +49,15 @@ class Case:
 
 def all_cases():
     mods = ["linear-column", "linear-row", "lnlinear-column", "mlp"]
-    cases = [Case(*c) for c in itertools.product(mods, [False, True], [True, False], list(RECIPES))]
-    return cases + [Case("mlp-chunked", sp, bias, rec) for sp in (False, True) for bias in (True, False) for rec in RECIPES]
+    recipes = [r for r in RECIPES if r != "block"]  # (block scaling: block_cases, at sizes of whole tiles)
+    cases = [Case(*c) for c in itertools.product(mods, [False, True], [True, False], recipes)]
+    return cases + [Case("mlp-chunked", sp, bias, rec) for sp in (False, True) for bias in (True, False) for rec in recipes]
+
+
+def block_cases():
+    """Every module kind under Float8BlockScaling, with and without SP (bias on: gelu MLP; off: swiglu)."""
+    mods = ["linear-column", "linear-row", "lnlinear-column", "mlp"]
+    return [Case(m, sp, bias, "block") for m in mods for sp in (False, True) for bias in (True, False)]
 
 
 def _chunk_16_rows(module) -> None:
@@ -72,7 +85,8 @@ def _mlp_chunks(case: Case):
     assert len(chunks) > 1, f"{case}: the MLP backward did not run in row chunks ({len(chunks)})"
 
 
-def _build(case: Case, tp: int, group, device):
+def _build(case: Case, tp: int, group, device, dims=(S, B, H, N)):
+    H, N = dims[2], dims[3]
     kw = dict(bias=case.bias, device=device)
     tpkw = dict(tp_group=group, tp_size=tp, sequence_parallel=case.sp)
     act = "gelu" if case.bias else "swiglu"
@@ -126,9 +140,10 @@ def _state_identical_on_all_ranks(module, group) -> None:
         assert all(torch.equal(everyone[0], e) for e in everyone), f"fp8_state.{name} differs across ranks"
 
 
-def run_case(case: Case, r: int, tp: int, group, device) -> None:
+def run_case(case: Case, r: int, tp: int, group, device, dims=(S, B, H, N)) -> None:
     torch.manual_seed(1000)
-    ref, mod = _build(case, tp, group, device)
+    S, B = dims[0], dims[1]
+    ref, mod = _build(case, tp, group, device, dims)
     with torch.no_grad():
         for name, p in mod.named_parameters():
             p.copy_(_shard(name, dict(ref.named_parameters())[name], case, r, tp))
