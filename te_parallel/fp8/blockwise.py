@@ -62,8 +62,9 @@ class BlockwiseTensor:
             if self.block_dim != 2 or self.data is None:
                 raise RuntimeError("this 1x128-tiled FP8 tensor was quantized without its columnwise direction "
                                    "(quantize with columnwise=True for a GEMM over its rows)")
-            self.data_t = self.data.t().contiguous()
-            self.scale_inv_t = self.scale_inv.t().contiguous()
+            # (copies, never views: a traced backward may not keep an alias of a forward's tensor)
+            self.data_t = _transposed_copy(self.data)
+            self.scale_inv_t = _transposed_copy(self.scale_inv)
         return self.data_t
 
     def with_transpose(self) -> "BlockwiseTensor":
@@ -109,6 +110,10 @@ class BlockwiseTensor:
         return dequantize_blockwise(self.data_t, scales, self.block_dim).t().to(dtype)
 
 
+def _transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.t().clone(memory_format=torch.contiguous_format)
+
+
 def scales_from_amax(amax: torch.Tensor, fp8_max: float, pow2: bool, eps: float, value_for_inf: float):
     """(scale, scale_inv) of each tile from its amax (fp32), as the module doc says; the kernels match it."""
     amax = amax.to(torch.float32)
@@ -139,7 +144,7 @@ def _tile_rows(x: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float):
     amax = xf.abs().amax(dim=-1) if m else xf.new_zeros(m, kt)
     scale, scale_inv = scales_from_amax(amax, fp8_max, pow2, eps, float(torch.finfo(x.dtype).max))
     q = (xf * scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(fp8_dtype).view(m, kt * BLOCK)[:, :k]
-    return q.contiguous(), scale_inv.t().contiguous()
+    return q.contiguous(), _transposed_copy(scale_inv)
 
 
 def _blocks(x: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float):
@@ -159,8 +164,8 @@ def quantize_blockwise_reference(x: torch.Tensor, fp8_dtype: torch.dtype, block_
     """Quantize a 2-D x in torch ops (the CPU path and the reference of the kernels)."""
     if block_dim == 2:
         data, scale_inv = _blocks(x, fp8_dtype, pow2, eps)
-        data_t = data.t().contiguous() if columnwise else None
-        scale_inv_t = scale_inv.t().contiguous() if columnwise else None
+        data_t = _transposed_copy(data) if columnwise else None
+        scale_inv_t = _transposed_copy(scale_inv) if columnwise else None
         if not rowwise:
             data = scale_inv = None
         return BlockwiseTensor(data, scale_inv, data_t, scale_inv_t, 2, fp8_dtype, x.shape)
