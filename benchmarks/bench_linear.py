@@ -8,9 +8,10 @@ Rows per shape (tokens × in → out), bf16 activations and weights:
   te bf16            te.Linear outside fp8_autocast
   te fp8 delayed     te.Linear in fp8_autocast(DelayedScaling), weight recast every step (every GEMM in FP8)
   te fp8 current     te.Linear in fp8_autocast(Float8CurrentScaling), weight recast every step
+  te fp8 block       te.Linear in fp8_autocast(Float8BlockScaling), weight recast every step
   te fp8 delayed, torch._scaled_mm GEMM   the delayed row with every FP8 GEMM through torch._scaled_mm
                      instead of te_parallel's own cuBLASLt call (csrc/gemm; MMParams(backend="native"))
-  TE bf16 / TE fp8 delayed / TE fp8 current   NVIDIA Transformer Engine's te.Linear, when it is installed
+  TE bf16 / TE fp8 delayed / current / block   NVIDIA Transformer Engine's te.Linear, when it is installed
 "ms" is per step with steps issued back to back (as a training loop runs), the median of 7 rounds that
 each time every row (common.time_interleaved: no row gains from its place in the sequence),
 "ms_synced" per step started on an idle GPU (host latency to the first kernel included).
@@ -49,14 +50,15 @@ def bench_shape(m: int, k: int, n: int, energy: float | None = None):
     flops = 3 * 2 * m * k * n
     rows = []
     cases = [("torch bf16", ref, None), ("te bf16", lin, None),
-             ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling())]
+             ("te fp8 delayed", lin, recipe.DelayedScaling()), ("te fp8 current", lin, recipe.Float8CurrentScaling()),
+             ("te fp8 block", lin, recipe.Float8BlockScaling())]
     if gemm_kernels.usable():
         cases.append((f"te fp8 delayed, {OTHER_GEMM_LABEL}", lin, with_torch_gemm(recipe.DelayedScaling())))
     steps = {name: training_step(mod, x, dy, rec) for name, mod, rec in cases}
     te_peer = transformer_engine()
     if te_peer is not None:
         peer = te_peer.Linear(k, n, params_dtype=dt, device=dev)
-        for kind in (None, "delayed", "current"):
+        for kind in (None, "delayed", "current", "block"):
             steps[f"TE {'bf16' if kind is None else 'fp8 ' + kind}"] = te_training_step(peer, x, dy, kind)
     back_to_back = time_interleaved(steps, settle=SETTLE)
     synced = {name: time_cuda(step) for name, step in steps.items()}

@@ -162,7 +162,7 @@ def packed_rows(a, dt) -> dict:
     base = TorchPackedLlamaLayer(a.hidden, a.ffn, a.heads, a.gqa).to("cuda", dt)
     x3, dy3 = x.view(total, 1, a.hidden), dy.view(total, 1, a.hidden)
     steps = {"torch bf16 + SDPA per document": training_step(base, x3, dy3, rope=per_token)}
-    for kind in (None, "delayed", "current"):
+    for kind in KINDS:
         steps[f"te {'bf16' if kind is None else 'FP8 ' + kind}"] = training_step(
             layer, x, dy, fp8_recipe(kind), rotary_pos_emb=freqs, **seqs)
     te_peer = transformer_engine()
@@ -170,7 +170,7 @@ def packed_rows(a, dt) -> dict:
         from transformer_engine.pytorch.attention import RotaryPositionEmbedding
         peer = te_peer.TransformerLayer(a.hidden, a.ffn, a.heads, **kw)
         peer_freqs = RotaryPositionEmbedding(d).to("cuda")(max(DOCS))
-        for kind in (None, "delayed", "current"):
+        for kind in KINDS:
             steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(
                 peer, x, dy, kind, rotary_pos_emb=peer_freqs, **seqs)
     return steps
@@ -195,11 +195,17 @@ def layer_kwargs(model: str, a, device="cuda") -> dict:
                 hidden_dropout=0.0, attention_dropout=0.0)
 
 
+KINDS = (None, "delayed", "current", "block")  # the eager rows' recipes (None: bf16)
+
+
 def fp8_recipe(kind: str | None):
     """te_parallel's recipe of the benchmarks' name (None: bf16): "delayed" is HYBRID, history 16, max (as
-    common.te_recipe's TE recipe), "current" current scaling."""
+    common.te_recipe's TE recipe), "current" current scaling, "block" Float8BlockScaling's defaults (1x128
+    tiles for inputs and gradients, 128x128 blocks for weights, power-of-two scales, E4M3)."""
     if kind is None:
         return None
+    if kind == "block":
+        return recipe.Float8BlockScaling()
     if kind == "delayed":
         return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
     return recipe.Float8CurrentScaling()
@@ -310,11 +316,11 @@ def eager_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, peer_fwd: d
     (when installed), and with --ablate one choice changed each."""
     layer, fp8 = layers.te, fp8_recipe("delayed")
     steps = {"torch bf16 + SDPA": training_step(layers.base, x, dy, **base_fwd)}
-    for kind in (None, "delayed", "current"):
+    for kind in KINDS:
         steps[f"te {'bf16' if kind is None else 'FP8 ' + kind}"] = training_step(layer, x, dy, fp8_recipe(kind), **fwd)
     if gemm_kernels.usable():  # every FP8 GEMM through torch._scaled_mm instead of te_parallel's cuBLASLt call
         steps[f"te FP8 delayed, {OTHER_GEMM_LABEL}"] = training_step(layer, x, dy, with_torch_gemm(fp8), **fwd)
-    for kind in (None, "delayed", "current") if layers.peer is not None else ():
+    for kind in KINDS if layers.peer is not None else ():
         steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(layers.peer, x, dy, kind,
                                                                                       **peer_fwd)
     if not a.ablate:

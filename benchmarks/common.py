@@ -284,12 +284,14 @@ def te_recipe(kind: str):
     if kind == "delayed":
         return te_recipes.DelayedScaling(fp8_format=te_recipes.Format.HYBRID, amax_history_len=16,
                                           amax_compute_algo="max")
+    if kind == "block":
+        return te_recipes.Float8BlockScaling()
     return te_recipes.Float8CurrentScaling()
 
 
 def te_training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, kind: str | None = None,
                      **forward_kwargs) -> Callable[[], None]:
-    """training_step for a TE module: `kind` None (bf16), "delayed" or "current". TE recasts its weights
+    """training_step for a TE module: `kind` None (bf16), "delayed", "current" or "block". TE recasts its weights
     on every forward without is_first_microbatch, as te_parallel's step does after dropping its copies."""
     rec = te_recipe(kind) if kind else None
     region = functools.partial(transformer_engine().fp8_autocast, enabled=rec is not None, fp8_recipe=rec)
