@@ -268,9 +268,9 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, a_dim: int, b: torch.Tensor, sb:
         return result if out is None else out.copy_(result)
     if (m | k | n) & 15:
         return _padded_block_mm(a, sa, a_dim, b, sb, b_dim, out_dtype, bias, what, out, accumulate)
-    if a_dim == 1:
-        sa = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
-    elif not sa.is_contiguous():
+    if a_dim == 1 and not (sa.stride(0) == 1 and (sa.stride(1) == m or sa.shape[1] == 1)):
+        sa = sa.t().contiguous().t()  # (a row slice's scales: [M, K/128] with strides (1, M) is what cuBLASLt reads)
+    elif a_dim == 2 and not sa.is_contiguous():
         sa = sa.contiguous()
     result = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
     if bias is not None:

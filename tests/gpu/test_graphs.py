@@ -16,7 +16,8 @@ def _layer():
                                device="cuda")
 
 
-@pytest.mark.parametrize("recipe", [R.DelayedScaling(amax_history_len=8), R.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(amax_history_len=8), R.Float8CurrentScaling(), R.Float8BlockScaling()],
+                         ids=["delayed", "current", "block"])
 def test_graphed_fp8_layer_matches_eager(recipe):
     eager, graphed_layer = _layer(), _layer()
     x = torch.randn(128, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
