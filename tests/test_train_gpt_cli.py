@@ -54,6 +54,9 @@ MISTAKES = {
                            "--stop-after 500 is more than --steps 5; use --stop-after 5 or less, or drop --stop-after"),
     "negative gradient clipping": (["--clip-grad", "-1"], "--clip-grad -1.0 must be a positive number"),
     "gradient clipping not a number": (["--clip-grad", "nan"], "--clip-grad nan must be a positive number"),
+    "kv heads not dividing heads": (["--arch", "llama", "--heads", "4", "--kv-heads", "3"],
+                                    "--kv-heads 3 must divide --heads 4 and be a multiple of --tp"),
+    "kv heads without llama": (["--kv-heads", "2"], "--kv-heads 2 is for --arch llama"),
 }
 if not torch.cuda.is_available():
     MISTAKES["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
@@ -244,6 +247,11 @@ def test_mfu_counts_model_flops_against_the_datasheet_peak(monkeypatch):
     gpt = GPT(GPTConfig(256, 2, 64, 4, 256, 64))
     n = sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith("embed."))
     assert gpt.matmul_params() == n
+    llama = GPT(GPTConfig(256, 2, 64, 4, 256, 64, arch="llama", kv_heads=2))  # RMSNorm, SwiGLU, GQA, no biases
+    assert llama.matmul_params() == sum(p.numel() for name, p in llama.named_parameters() if not name.startswith("embed."))
+    assert not any(name.endswith("bias") for name, _ in llama.named_parameters())
+    assert llama.layers[0].layernorm_mlp.fc1_weight.shape == (512, 64)  # SwiGLU: both halves
+    assert llama.layers[0].self_attention.layernorm_qkv.key_weight.shape == (2 * 16, 64)  # 2 kv heads of 16
     assert flops_per_token(n, 2, 64, 64) == 6 * n + 12 * 2 * 64 * 64
     gpu = torch.device("cuda", 0)
     for name, precision, peak in [("NVIDIA H100 80GB HBM3", "bf16", 989.4e12), ("NVIDIA H100 80GB HBM3", "fp8", 1978.9e12),

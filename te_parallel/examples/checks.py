@@ -149,6 +149,13 @@ def check_model(args, tp: int, world: Optional[int] = None) -> None:
     if heads % tp:
         raise CliError(f"--tp {tp} does not divide --heads {heads} (each rank computes whole heads); "
                        f"use {_model_fix(args, tp, world, True)}")
+    kv = getattr(args, "kv_heads", None)
+    if kv is not None and getattr(args, "arch", "gpt") != "llama":
+        raise CliError(f"--kv-heads {kv} is for --arch llama (grouped-query attention); add --arch llama or drop it")
+    if kv is not None and (kv < 1 or heads % kv or kv % tp):
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0 and d % tp == 0]
+        raise CliError(f"--kv-heads {kv} must divide --heads {heads} and be a multiple of --tp {tp}; use one of "
+                       f"{divisors}")
     if args.fp8 != "off" and (h // tp) % FP8_MULTIPLE:
         share = f"with --tp {tp} each rank's share hidden/tp = {h // tp} is one" if tp > 1 else "hidden is one"
         raise CliError(f"--hidden {h}: FP8 GEMMs need in and out features that are multiples of 16, and {share}; "

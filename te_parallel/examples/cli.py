@@ -76,6 +76,11 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int, default=4,
                    help="attention heads; --hidden/--heads must be even (rotary embedding)")
     g.add_argument("--ffn", type=int, default=None, help="FFN inner size (default: 4 x --hidden)")
+    g.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
+                   help="layer kind: gpt (LayerNorm, GELU, biases, multi-head attention) or llama (RMSNorm, SwiGLU, "
+                        "no biases, grouped-query attention with --kv-heads)")
+    g.add_argument("--kv-heads", type=int, default=None,
+                   help="--arch llama: key/value heads, a divisor of --heads (default: --heads)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability of attention and hidden states")
 
 

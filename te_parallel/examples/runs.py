@@ -19,7 +19,9 @@ METADATA = ".metadata"  # DCP's index of the saved tensors
 LEGACY = "rank0.pt"  # the one-file-per-process format of earlier versions of this trainer
 # sizes a checkpoint can only be loaded with (the heads would load but mean other weights)
 SIZE_FLAGS = {"layers": "--layers", "hidden": "--hidden", "heads": "--heads", "ffn": "--ffn", "tp": "--tp",
-              "world": "--nproc"}
+              "world": "--nproc", "arch": "--arch", "kv_heads": "--kv-heads"}
+# what a checkpoint written before a size flag existed was made with
+SIZE_DEFAULTS = {"arch": "gpt", "kv_heads": None}
 # settings that load under any value, but the run then differs from the uninterrupted one
 SETTING_FLAGS = {"fp8": "--fp8", "sequence_parallel": "--sequence-parallel", "seq_len": "--seq-len",
                  "micro_batch": "--micro-batch", "corpus_bytes": "--corpus-bytes", "seed": "--seed", "lr": "--lr",
@@ -97,6 +99,8 @@ def read_checkpoint(path: str) -> dict:
         cfg = json.loads((directory / CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise CliError(f"--resume {path}: cannot read {CONFIG} ({e})") from None
+    if isinstance(cfg, dict):
+        cfg = {**SIZE_DEFAULTS, **cfg}
     if not isinstance(cfg, dict) or not all(k in cfg for k in SIZE_FLAGS):
         raise CliError(f"--resume {path}: {CONFIG} does not hold the sizes {', '.join(SIZE_FLAGS)}; give the --save "
                        f"directory of an earlier run")

@@ -84,7 +84,8 @@ class Trainer:
         torch.manual_seed(args.seed)  # same weights for replicated parameters on every rank
         self.tracker = CudaRNGStatesTracker(device=world.device.type)
         model_parallel_seed(self.tracker, args.seed, tp_rank=world.tp_rank)
-        cfg = GPTConfig(VOCAB, args.layers, args.hidden, args.heads, args.ffn, args.seq_len, args.dropout)
+        cfg = GPTConfig(VOCAB, args.layers, args.hidden, args.heads, args.ffn, args.seq_len, args.dropout,
+                        getattr(args, "arch", "gpt"), getattr(args, "kv_heads", None) or 0)
         self.ub = None
         if args.overlap:  # buffers for the largest exchange: [s·b tokens, hidden]
             dtype = torch.bfloat16 if world.device.type == "cuda" and (args.precision or "bf16") == "bf16" else torch.float32
