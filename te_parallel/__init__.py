@@ -27,6 +27,12 @@ from te_parallel.parallel.dcp import dcp_state_dict, load_dcp_state_dict
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig, initialize_ub
 from te_parallel.parallel.random import CudaRNGStatesTracker
 from te_parallel.te_layout import from_te_state_dict, to_te_state_dict
+from te_parallel.fp8.quantizers import (DType, Float8BlockQuantizer, Float8BlockwiseQTensor,
+                                         Float8CurrentScalingQuantizer, Float8Quantizer, LinearQuantizers,
+                                         MXFP8Quantizer, MXFP8Tensor, NVFP4Quantizer, NVFP4Tensor, QuantizedTensor,
+                                         Quantizer, QuantizerRole, get_default_fp8_recipe, get_device_compute_capability,
+                                         is_bf16_available, is_fp8_block_scaling_available, is_mxfp8_available,
+                                         is_nvfp4_available, make_quantizer, recipe_quantizers)
 
 __version__ = "0.1.0"
 
@@ -67,4 +73,25 @@ __all__ = [
     "MasterWeights",
     "recipe",
     "init",
+    "DType",
+    "Quantizer",
+    "Float8Quantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8BlockQuantizer",
+    "MXFP8Quantizer",
+    "NVFP4Quantizer",
+    "QuantizedTensor",
+    "Float8BlockwiseQTensor",
+    "MXFP8Tensor",
+    "NVFP4Tensor",
+    "QuantizerRole",
+    "LinearQuantizers",
+    "make_quantizer",
+    "recipe_quantizers",
+    "get_device_compute_capability",
+    "is_bf16_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+    "get_default_fp8_recipe",
 ]

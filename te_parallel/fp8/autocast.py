@@ -271,10 +271,12 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
         if self.enabled or self.calibrating:
             check_recipe_runs(recipe)
             outer = next((f for f in reversed(_TLS.frames) if f.enabled or f.calibrating), None)
-            if outer is not None and outer.recipe.scaling != recipe.scaling:
+            if outer is not None and (outer.recipe.scaling == "block") != (recipe.scaling == "block"):
+                # (per-tensor recipes nest, the innermost deciding, as in TE; block scaling keeps no per-tensor state
+                # and its operands are of another kind, so one pass does not mix it with them)
                 raise ValueError(f"fp8_autocast: a {type(recipe).__name__} region inside a {type(outer.recipe).__name__} "
-                                 f"region; one forward pass runs one recipe kind (close the outer region first, or "
-                                 f"give both the same recipe)")
+                                 f"region; block scaling and per-tensor scaling do not mix in one forward pass (close "
+                                 f"the outer region first, or give both regions the same kind of recipe)")
         _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group))
 
     @torch.compiler.disable

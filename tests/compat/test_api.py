@@ -95,11 +95,14 @@ def test_fp8_dpa_is_ignored_with_a_warning():
 
 
 def test_recipes_te_parallel_does_not_have_raise_at_use():
-    for cls in (recipe.MXFP8BlockScaling, recipe.Float8BlockScaling, recipe.NVFP4BlockScaling):
+    for cls in (recipe.MXFP8BlockScaling, recipe.NVFP4BlockScaling):
         r = cls()  # construction works (clients build them from configs)
         assert not r.delayed() and not r.float8_per_tensor_scaling()
-        with pytest.raises(NotImplementedError, match="per-tensor FP8 scaling only"):
+        with pytest.raises(NotImplementedError, match="not implemented in te_parallel"):
             te.fp8_autocast(fp8_recipe=r)
+    import te_parallel.recipe as tp_recipe
+
+    assert isinstance(recipe.to_te_parallel(recipe.Float8BlockScaling()), tp_recipe.Float8BlockScaling)
     with pytest.raises(NotImplementedError, match="override_linear_precision"):
         te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(override_linear_precision=(False, False, True)))
     with pytest.raises(ValueError, match="E5M2"):
@@ -108,9 +111,10 @@ def test_recipes_te_parallel_does_not_have_raise_at_use():
 
 def test_support_checks():
     assert te.fp8.check_fp8_support() == (True, "")
-    for check in (te.fp8.check_mxfp8_support, te.fp8.check_fp8_block_scaling_support, te.fp8.check_nvfp4_support):
+    assert te.fp8.check_fp8_block_scaling_support() == (True, "")  # (the CPU emulates it)
+    for check in (te.fp8.check_mxfp8_support, te.fp8.check_nvfp4_support):
         ok, reason = check()
-        assert ok is False and "per-tensor" in reason
+        assert ok is False and "Blackwell" in reason
     assert te.is_fp8_available() is True and te.is_mxfp8_available(return_reason=True)[0] is False
 
 

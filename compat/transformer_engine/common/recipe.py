@@ -6,12 +6,12 @@ client may build a recipe, change a field and pass it again. Keywords TE defines
 where te_parallel has no such choice, ignored with one warning naming them; keywords TE's recipes
 silently drop (TE's recipes are pydantic dataclasses, which ignore extra keywords: Megatron passes
 `params_dtype` and `device`) are dropped here too, with one warning. Recipes te_parallel does not
-implement (MXFP8, NVFP4, FP8 block scaling, custom) can be built, and raise NotImplementedError
-when used.
+implement (MXFP8, NVFP4, custom) can be built, and raise NotImplementedError when used.
 """
 from __future__ import annotations
 
 import enum
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, NamedTuple, Tuple
@@ -55,7 +55,8 @@ class MMParams:
 
 @dataclass(frozen=True)
 class QParams:
-    """Quantization parameters of one tensor kind (te_parallel: plain per-tensor scales)."""
+    """How one tensor kind's scales are computed (Float8BlockScaling: power-of-two scales, an amax floor;
+    the FP4 options are not implemented)."""
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
@@ -163,11 +164,16 @@ class MXFP8BlockScaling(Recipe):
     _FIELDS = {"margin": 0, "fp8_format": Format.E4M3, "fp8_dpa": False, "fp8_mha": False, "backward_override": None}
 
 
-class Float8BlockScaling(Recipe):
-    """FP8 with 1x128 / 128x128 block scales: not implemented in te_parallel; raises when used."""
+# TE's default block QParams: power-of-two scales unless its switch asks for fp32 ones (read once, as TE)
+_BLOCK_QPARAMS = QParams(power_2_scale=os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1")
 
-    _FIELDS = {"fp8_format": Format.E4M3, "fp8_quant_fwd_inp": QParams(), "fp8_quant_fwd_weight": QParams(),
-               "fp8_quant_bwd_grad": QParams(), "x_block_scaling_dim": 1, "w_block_scaling_dim": 2,
+
+class Float8BlockScaling(Recipe):
+    """FP8 with one scale per 1x128 tile / 128x128 block (te_parallel.recipe.Float8BlockScaling); TE's fields."""
+
+    _FIELDS = {"fp8_format": Format.E4M3, "fp8_quant_fwd_inp": _BLOCK_QPARAMS,
+               "fp8_quant_fwd_weight": _BLOCK_QPARAMS, "fp8_quant_bwd_grad": _BLOCK_QPARAMS,
+               "x_block_scaling_dim": 1, "w_block_scaling_dim": 2,
                "grad_block_scaling_dim": 1, "fp8_gemm_fprop": MMParams(), "fp8_gemm_dgrad": MMParams(),
                "fp8_gemm_wgrad": MMParams(), "fp8_dpa": False, "fp8_mha": False, "backward_override": None}
 
@@ -226,26 +232,49 @@ def _current(recipe: Float8CurrentScaling) -> tp_recipe.Float8CurrentScaling:
     if recipe.use_power_2_scales or any(q != QParams() for q in qparams):
         _warn_once("qparams", "Float8CurrentScaling: use_power_2_scales / QParams ignored: te_parallel's current scaling "
                               "uses fp8_max / amax as is")
-    mm = {f"fp8_gemm_{g}": tp_recipe.MMParams(use_split_accumulator=bool(getattr(recipe, f"fp8_gemm_{g}").use_split_accumulator))
-          for g in ("fprop", "dgrad", "wgrad")}
-    return tp_recipe.Float8CurrentScaling(fp8_format=_format(recipe), **mm)
+    return tp_recipe.Float8CurrentScaling(fp8_format=_format(recipe), **_mm_params(recipe))
+
+
+def _mm_params(recipe: Recipe) -> Dict[str, tp_recipe.MMParams]:
+    split = {g: bool(getattr(recipe, f"fp8_gemm_{g}").use_split_accumulator) for g in ("fprop", "dgrad", "wgrad")}
+    return {f"fp8_gemm_{g}": tp_recipe.MMParams(use_split_accumulator=s) for g, s in split.items()}
+
+
+def _qparams(recipe: Recipe, name: str) -> tp_recipe.QParams:
+    q = getattr(recipe, name)
+    fp4 = [k for k in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization") if getattr(q, k)]
+    if fp4:
+        raise NotImplementedError(f"{type(recipe).__name__}.{name}: {', '.join(fp4)} (NVFP4 options) not implemented "
+                                  f"in te_parallel; leave them False")
+    return tp_recipe.QParams(power_2_scale=bool(q.power_2_scale), amax_epsilon=float(q.amax_epsilon))
+
+
+def _block(recipe: Float8BlockScaling) -> tp_recipe.Float8BlockScaling:
+    dims = {f"{r}_block_scaling_dim": getattr(recipe, f"{r}_block_scaling_dim") for r in ("x", "w", "grad")}
+    qparams = {n: _qparams(recipe, n) for n in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")}
+    return tp_recipe.Float8BlockScaling(fp8_format=_format(recipe), **qparams, **dims, **_mm_params(recipe))
+
+
+_CONVERT = ((DelayedScaling, _delayed), (Float8CurrentScaling, _current), (Float8BlockScaling, _block))
 
 
 def to_te_parallel(recipe) -> tp_recipe.Recipe:
     """te_parallel's frozen recipe for a TE-style one (made once per recipe object and field values)."""
     if recipe is None or isinstance(recipe, tp_recipe.Recipe):
         return recipe
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    convert = next((fn for cls, fn in _CONVERT if isinstance(recipe, cls)), None)
+    if convert is None:
         if isinstance(recipe, Recipe):
-            raise NotImplementedError(f"{type(recipe).__name__} is not implemented in te_parallel (per-tensor FP8 "
-                                      f"scaling only); use DelayedScaling or Float8CurrentScaling")
+            raise NotImplementedError(f"{type(recipe).__name__} is not implemented in te_parallel, which runs "
+                                      f"per-tensor FP8 scaling (DelayedScaling, Float8CurrentScaling) and FP8 block "
+                                      f"scaling (Float8BlockScaling)")
         raise TypeError(f"expected a transformer_engine.common.recipe recipe, got {type(recipe).__name__}")
     fields = tuple(recipe.__dict__.items())
     hit = _CACHE.get(id(recipe))
     if hit is not None and hit[0] is type(recipe) and hit[1] == fields:
         return hit[2]
     _common_checks(recipe)
-    converted = _delayed(recipe) if isinstance(recipe, DelayedScaling) else _current(recipe)
+    converted = convert(recipe)
     if len(_CACHE) > 64:
         _CACHE.clear()
     _CACHE[id(recipe)] = (type(recipe), fields, converted)

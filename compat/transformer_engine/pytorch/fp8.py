@@ -14,15 +14,16 @@ from typing import Optional, Tuple
 import te_parallel
 from te_parallel.fp8 import autocast as _regions
 from te_parallel.fp8.params import current_model_init
+from te_parallel.fp8.quantizers import QuantizerRole
 
-from transformer_engine.common.recipe import DelayedScaling, Recipe, to_te_parallel
+from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe, to_te_parallel)
 
 __all__ = ["fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init", "FP8GlobalStateManager",
            "check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support", "check_nvfp4_support",
-           "get_default_fp8_recipe", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available", "DelayedScaling"]
-
-_NO_BLOCKS = "te_parallel implements per-tensor FP8 scaling only (DelayedScaling, Float8CurrentScaling)"
+           "check_recipe_support", "get_default_fp8_recipe", "get_default_recipe", "is_fp8_available",
+           "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available", "QuantizerRole",
+           "DelayedScaling"]
 
 
 def check_fp8_support() -> Tuple[bool, str]:
@@ -31,15 +32,31 @@ def check_fp8_support() -> Tuple[bool, str]:
 
 
 def check_mxfp8_support() -> Tuple[bool, str]:
-    return False, f"MXFP8 block scaling is not available: {_NO_BLOCKS}"
+    """(False, reason): MXFP8 is a Blackwell format te_parallel does not implement."""
+    return te_parallel.is_mxfp8_available(return_reason=True)
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
-    return False, f"FP8 block scaling is not available: {_NO_BLOCKS}"
+    """(True, "") on the CPU and on sm_90 with CUDA >= 12.9 (te_parallel.is_fp8_block_scaling_available)."""
+    return te_parallel.is_fp8_block_scaling_available(return_reason=True)
 
 
 def check_nvfp4_support() -> Tuple[bool, str]:
-    return False, f"NVFP4 is not available: {_NO_BLOCKS}"
+    """(False, reason): NVFP4 is a Blackwell format te_parallel does not implement."""
+    return te_parallel.is_nvfp4_available(return_reason=True)
+
+
+_RECIPE_CHECKS = ((DelayedScaling, check_fp8_support), (Float8CurrentScaling, check_fp8_support),
+                  (Float8BlockScaling, check_fp8_block_scaling_support), (MXFP8BlockScaling, check_mxfp8_support),
+                  (NVFP4BlockScaling, check_nvfp4_support))
+
+
+def check_recipe_support(recipe: Recipe) -> None:
+    """TE's check: RuntimeError with the reason when this machine cannot run `recipe`."""
+    check = next((c for cls, c in _RECIPE_CHECKS if isinstance(recipe, cls)), None)
+    ok, reason = check() if check is not None else (True, "")
+    if not ok:
+        raise RuntimeError(reason)
 
 
 def _availability(check):
@@ -59,6 +76,9 @@ is_nvfp4_available = _availability(check_nvfp4_support)
 def get_default_fp8_recipe() -> Recipe:
     """TE's default recipe: DelayedScaling() (a new mutable object each call, as TE)."""
     return DelayedScaling()
+
+
+get_default_recipe = get_default_fp8_recipe  # TE 2.9's name
 
 
 class _Stack(threading.local):
@@ -114,6 +134,18 @@ class FP8GlobalStateManager:
     @staticmethod
     def is_fp8_available() -> Tuple[bool, str]:
         return check_fp8_support()
+
+    @staticmethod
+    def is_mxfp8_available() -> Tuple[bool, str]:
+        return check_mxfp8_support()
+
+    @staticmethod
+    def is_fp8_block_scaling_available() -> Tuple[bool, str]:
+        return check_fp8_block_scaling_support()
+
+    @staticmethod
+    def is_nvfp4_available() -> Tuple[bool, str]:
+        return check_nvfp4_support()
 
     @staticmethod
     def is_fp8_enabled() -> bool:
