@@ -266,7 +266,7 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, a_dim: int, b: torch.Tensor, sb:
             result = result + accumulate.to(torch.float32)
         result = result.to(out_dtype)
         return result if out is None else out.copy_(result)
-    if (m | k | n) & 15:
+    if (m | k | n) & 15 or (2 in (a_dim, b_dim) and -(-k // BLOCK) % 4):
         return _padded_block_mm(a, sa, a_dim, b, sb, b_dim, out_dtype, bias, what, out, accumulate)
     if a_dim == 1 and not (sa.stride(0) == 1 and (sa.stride(1) == m or sa.shape[1] == 1)):
         sa = sa.t().contiguous().t()  # (a row slice's scales: [M, K/128] with strides (1, M) is what cuBLASLt reads)
@@ -294,10 +294,18 @@ def _expand(data: torch.Tensor, scales: torch.Tensor, dim: int, is_b: bool) -> t
 
 
 def _padded_block_mm(a, sa, a_dim, b, sb, b_dim, out_dtype, bias, what, out, accumulate):
-    """block_mm with M, K, N rounded up to multiples of 16 by zero bytes (within the last tile of K, so the
-    scales keep their shape; padded rows and columns get scale 1 and add nothing)."""
+    """block_mm with M, K, N rounded up to multiples of 16 by zero bytes; padded rows, columns and tiles get
+    scale 1 and add nothing. With a 128x128-block operand K also goes up to a multiple of 4 tiles (512): cuBLASLt
+    reads a block operand's scales with a leading dimension of whole groups of 4 K-tiles (TE pads its scale
+    tensors so; measured on an H200: 35% error at K = 256 unpadded)."""
     (m, k), n = a.shape, b.shape[1]
     rows, inner, cols = (-(-v // 16) * 16 for v in (m, k, n))
+    kt = -(-k // BLOCK)
+    if 2 in (a_dim, b_dim) and kt % 4:
+        kt = -(-kt // 4) * 4
+        inner = kt * BLOCK
+        sa = torch.nn.functional.pad(sa, (0, kt - sa.shape[1]), value=1.0)  # [M or M/128, K tiles]
+        sb = torch.nn.functional.pad(sb, (0, 0, 0, kt - sb.shape[0]), value=1.0)  # [K tiles, N or N/128]
     a_pad = _zero_padded(a, rows, inner)
     b_pad = _zero_padded(b.t(), cols, inner).t()
     if a_dim == 1 and rows != m:
