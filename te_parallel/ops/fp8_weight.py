@@ -6,6 +6,11 @@ over which amaxes must agree (the module's TP group; FSDP2's shard group, learne
 gathers the weight or from a DTensor parameter), and casts with the same `quantize` the GEMMs use,
 so an FP8 weight holds exactly the bytes a high-precision weight would be cast to with that scale.
 `weight_operand` hands the bytes to a GEMM; `cat_fp8_weights` joins the pieces of a split weight.
+
+Under Float8BlockScaling the quantizer encodes each value in the recipe's weight blocks (128x128, or
+1x128 tiles with w_block_scaling_dim=1) with `quantize_blockwise` and the recipe's QParams (power-of-two
+scales, amax epsilon), the cast the GEMMs use for a high-precision weight: each block's scale comes from
+its own amax, so there is no scale to choose, share or agree on across ranks.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from te_parallel.fp8.params import Float8Weight
+from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise
+from te_parallel.fp8.params import BlockLayout, Float8Weight
 from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
@@ -29,6 +35,8 @@ class WeightQuantizer:
     def __init__(self, module: torch.nn.Module, gemm: int, recipe: Recipe) -> None:
         self.module, self.gemm, self.recipe = module, gemm, recipe
         self.fp8_dtype = recipe.fp8_format.fwd_dtype
+        # block scaling: 1 (1x128 tiles) or 2 (128x128 blocks), 0 for one scale per tensor
+        self.block_dim = recipe.block_dim("w") if recipe.scaling == "block" else 0
         self.shard_group: Optional[dist.ProcessGroup] = None  # FSDP2's: the ranks holding dim-0 shards
         self._scales_by_device: Dict[torch.device, torch.Tensor] = {}
 
@@ -88,6 +96,17 @@ class WeightQuantizer:
     def encode(self, value: torch.Tensor, scale: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
         encode(value, scale, data, scales)
 
+    def encode_blocks(self, value: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Block scaling: data (FP8, whole rows of the weight) = value quantized in the recipe's weight
+        blocks; scale_inv (the blocks of those rows, in the GEMM's layout) = the blocks' scale_inv."""
+        if value.numel() == 0:
+            return
+        qp = self.recipe.qparams("w")
+        q = quantize_blockwise(value.reshape(-1, value.shape[-1]).contiguous(), data.dtype, self.block_dim,
+                               pow2=qp.power_2_scale, eps=qp.amax_epsilon)
+        data.copy_(q.data.view(data.shape))
+        scale_inv.copy_(q.scale_inv)
+
 
 def encode(value: torch.Tensor, scale: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
     """data (FP8, value's shape) = value quantized with `scale` by the GEMMs' own cast; scales = [scale,
@@ -104,19 +123,53 @@ def encode(value: torch.Tensor, scale: torch.Tensor, data: torch.Tensor, scales:
         scales[1].copy_(1.0 / scale)
 
 
-def weight_operand(owner: str, weight: Float8Weight, recipe: Recipe) -> Float8Tensor:
-    """The GEMM operand of an FP8 weight parameter: its bytes and scale_inv, no cast. The autocast recipe
-    must be of the kind and forward format the weight was built for (its scale is chosen by that kind)."""
+def weight_operand(owner: str, weight: Float8Weight, recipe: Recipe):
+    """The GEMM operand of an FP8 weight parameter: its bytes and scale_inv, no cast (a Float8Tensor; under
+    block scaling a BlockwiseTensor). The autocast recipe must be of the kind, forward format and weight
+    block shape the weight was built for (its scales are chosen by that kind)."""
+    blocks = weight._blocks
+    built_dim = 0 if blocks is None else blocks.block_dim
+    run_dim = recipe.block_dim("w") if recipe.scaling == "block" else 0
     q = weight._quantizer
-    if weight.fp8_dtype != recipe.fp8_format.fwd_dtype or (q is not None and q.recipe.delayed() != recipe.delayed()):
-        built = "?" if q is None else type(q.recipe).__name__
-        raise ValueError(f"{owner}: its FP8 weights were built for {built} with {weight.fp8_dtype} and cannot run under "
-                         f"{type(recipe).__name__} with {recipe.fp8_format.fwd_dtype}; build the model under "
+    kind_differs = built_dim != run_dim or (q is not None and q.recipe.delayed() != recipe.delayed())
+    if weight.fp8_dtype != recipe.fp8_format.fwd_dtype or kind_differs:
+        running = _kind(type(recipe).__name__, run_dim)
+        raise ValueError(f"{owner}: its FP8 weights were built for {_built_for(weight)} with {weight.fp8_dtype} and "
+                         f"cannot run under {running} with {recipe.fp8_format.fwd_dtype}; build the model under "
                          f"quantized_model_init(recipe=...) with the recipe it runs with")
     data = weight._data if weight._data.dim() == 2 else weight._data.reshape(weight.shape[0], -1)
+    if blocks is not None:
+        return _block_operand(weight, data, recipe)
     # scale_inv sits 4 bytes into the shared [scale, scale_inv] pair; cuBLASLt takes a scale pointer only
     # at an aligned address, so the GEMM gets its own copy (one 4-byte copy per forward)
     return Float8Tensor(data, weight._scales[1].clone())
+
+
+def _block_operand(weight: Float8Weight, data: torch.Tensor, recipe: Recipe) -> BlockwiseTensor:
+    """The rowwise bytes [N, K] and their blocks' scale_inv, as stored (no copy for a whole weight). dgrad
+    of 128x128 blocks reads the transposed bytes (square blocks: exact). 1x128 tiles along K cannot give
+    dgrad's tiles along N: when a backward will run, the columnwise direction is quantized now from the
+    weight's value with the recipe's QParams, as the cast of a high-precision weight holding that value makes it."""
+    dim = weight._blocks.block_dim
+    scale_inv = weight._tiles().contiguous()
+    data_t = scale_inv_t = None
+    if dim == 1 and torch.is_grad_enabled() and weight.requires_grad:
+        qp = recipe.qparams("w")
+        cols = quantize_blockwise(weight.dequantize().reshape(data.shape), data.dtype, 1, rowwise=False,
+                                  columnwise=True, pow2=qp.power_2_scale, eps=qp.amax_epsilon)
+        data_t, scale_inv_t = cols.data_t, cols.scale_inv_t
+    return BlockwiseTensor(data.contiguous(), scale_inv, data_t, scale_inv_t, dim, data.dtype, data.shape)
+
+
+def _kind(name: str, block_dim: int) -> str:
+    return name if not block_dim else f"{name} ({'1x128 tiles' if block_dim == 1 else '128x128 blocks'})"
+
+
+def _built_for(weight: Float8Weight) -> str:
+    dim = 0 if weight._blocks is None else weight._blocks.block_dim
+    if weight._quantizer is not None:
+        return _kind(type(weight._quantizer.recipe).__name__, dim)
+    return _kind("Float8BlockScaling", dim) if dim else "?"
 
 
 class _CatFP8(torch.autograd.Function):
@@ -136,6 +189,8 @@ class _CatFP8(torch.autograd.Function):
 def _cat(parts: Sequence[Float8Weight]) -> Float8Weight:
     first = parts[0]
     rows = sum(p.shape[0] for p in parts)
+    if first._blocks is not None:
+        return _cat_blocks(parts, rows)
     if any(p._scales is not first._scales for p in parts):  # separately scaled: re-encode with the smallest scale
         scale = torch.stack([p._scales[0] for p in parts]).amin()
         value = torch.cat([p.dequantize(torch.float32) for p in parts])
@@ -144,16 +199,38 @@ def _cat(parts: Sequence[Float8Weight]) -> Float8Weight:
         return out
     datas = [p._data for p in parts]
     base = datas[0]
-    offset, adjacent = base.storage_offset(), True
-    for d in datas:
-        same = d.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        adjacent = adjacent and same and d.is_contiguous() and d.storage_offset() == offset
-        offset += d.numel()
-    if adjacent:
+    if _adjacent(datas):
         data = base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
     else:
         data = torch.cat([d.view(torch.uint8) for d in datas]).view(base.dtype)
     return Float8Weight(data, first._scales, first.dtype, first._quantizer, 1)
+
+
+def _cat_blocks(parts: Sequence[Float8Weight], rows: int) -> Float8Weight:
+    """Block-scaled pieces: a view while they are adjacent rows of one storage, else the bytes and the
+    blocks' scales concatenated (each piece but the last holds whole 128x128 blocks: they were refused
+    otherwise when they were made)."""
+    first = parts[0]
+    base, datas = first._data, [p._data for p in parts]
+    if _adjacent(datas) and all(p._scales is first._scales for p in parts):
+        data = base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
+        return Float8Weight(data, first._scales, first.dtype, first._quantizer, 1, blocks=first._blocks)
+    data = torch.cat([d.reshape(d.shape[0], -1).view(torch.uint8) for d in datas]).view(base.dtype)
+    scales = torch.cat([p._tiles() for p in parts], dim=1 if first._blocks.block_dim == 1 else 0)
+    blocks = BlockLayout(first._blocks.block_dim, first._blocks.cols)
+    return Float8Weight(data.reshape(rows, *base.shape[1:]), scales, first.dtype, first._quantizer, 1, blocks=blocks)
+
+
+def _adjacent(datas: Sequence[torch.Tensor]) -> bool:
+    """Whether the byte tensors are consecutive contiguous pieces of one storage."""
+    base = datas[0]
+    offset = base.storage_offset()
+    for d in datas:
+        if not (d.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and d.is_contiguous()
+                and d.storage_offset() == offset):
+            return False
+        offset += d.numel()
+    return True
 
 
 def cat_fp8_weights(parts: Sequence[Float8Weight]) -> Float8Weight:
