@@ -23,6 +23,8 @@ CASES = {
                         fp8_recipe="delayed", fp8_amax_history_len=8),
     "fp8-tensorwise": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu, fp8="hybrid",
                            fp8_recipe="tensorwise"),
+    "fp8-blockwise": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, fp8="e4m3",
+                          fp8_recipe="blockwise"),
     "fp8-full-recompute": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, fp8="hybrid",
                                fp8_recipe="delayed", recompute_granularity="full", recompute_method="uniform",
                                recompute_num_layers=1),
