@@ -1,10 +1,10 @@
-"""TE's `transformer_engine.pytorch.constants`."""
-import torch
+"""TE's `transformer_engine.pytorch.constants`: TE's dtype codes (te_parallel's `DType`) and their maps."""
 import torch.distributed as dist
 
-__all__ = ["TE_DType", "dist_group_type"]
+from te_parallel.fp8.quantizers import DType, TE_DType, TE_DType_To_Torch
 
-# torch dtype -> TE's dtype code; te_parallel's kernels take torch dtypes, so the codes are the dtypes.
-TE_DType = {dtype: dtype for dtype in (torch.uint8, torch.int32, torch.float32, torch.float16, torch.bfloat16,
-                                       torch.float8_e4m3fn, torch.float8_e5m2)}
+__all__ = ["DType", "TE_DType", "TE_DType_To_Torch", "dist_group_type"]
+
+# TE_DType: torch dtype -> DType code (uint8, int32, fp32, fp16, bf16 and the two FP8 dtypes);
+# TE_DType_To_Torch: the inverse. DType.kFloat4E2M1 has no torch dtype, as in TE.
 dist_group_type = dist.ProcessGroup

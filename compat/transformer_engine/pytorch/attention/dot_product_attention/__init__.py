@@ -5,6 +5,10 @@ As in TE, `attention_mask` is ignored for the mask types that need none ("no_mas
 Context parallelism (`cp_group` of more than one rank), FP8 attention (recipes' fp8_dpa), non-vanilla
 softmax, `return_max_logit`, ALiBi and KV caches raise NotImplementedError; packed sequences
 (`cu_seqlens_*`, `max_seqlen_*`, qkv_format="thd") go to te_parallel's attention where it takes them.
+
+`_attention_backends` is TE's cache of its backend choice, kept for the code that reads or resets it;
+te_parallel's attention does not consult it (its backend rule is te_parallel.ops.attention's).
+`utils` holds TE's attention helpers that its tests import.
 """
 from __future__ import annotations
 
@@ -18,7 +22,12 @@ from te_parallel.parallel.groups import group_size
 
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule, split_te_kwargs
 
-__all__ = ["DotProductAttention"]
+__all__ = ["DotProductAttention", "_attention_backends"]
+
+# TE's keys; written by TE's backend selection (not present here: utils.get_attention_backend raises)
+_attention_backends = {"attention_params": None, "use_flash_attention": None, "flash_attention_backend": None,
+                       "use_fused_attention": None, "fused_attention_backend": None, "use_unfused_attention": None,
+                       "backend_selection_requires_update": False}
 
 _NO_MASK_NEEDED = ("no_mask", "causal", "causal_bottom_right")
 _PACKED = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
