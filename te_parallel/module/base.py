@@ -22,7 +22,7 @@ from te_parallel.module.params import LinearParams, cat_params
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops.fp8_gemm_config import GemmFP8
 from te_parallel.ops.fp8_weight import weight_operand
-from te_parallel.ops.linear import LinearFunction, LinearParallel, residual_in_gemm
+from te_parallel.ops.linear import GemmPlan, LinearFunction, LinearParallel, residual_in_gemm
 from te_parallel.ops.norm import apply_norm, check_normalization, fp8_norm_fused, norm_fp8
 from te_parallel.parallel.collectives import all_reduce_grad
 from te_parallel.parallel.dcp import register_whole_tensor_hooks
@@ -325,7 +325,7 @@ class GemmModule(FP8Module, TensorParallelMixin):
                              f"Float8CurrentScaling), not Float8BlockScaling; turn the ub_* flags off for block scaling")
         fp8 = self._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
         targets = params.wgrad_targets(self) if self.fuse_wgrad_accumulation else None
-        return weight, bias, (fp8, targets, par, torch.is_grad_enabled())
+        return weight, bias, GemmPlan(fp8, targets, par, torch.is_grad_enabled())
 
     def _linear_forward(self, params: LinearParams, gemm: int, inp: torch.Tensor, is_first_microbatch, frame,
                         add_bias: bool = True, par: LinearParallel = LinearParallel(),
@@ -343,7 +343,7 @@ def run_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if residual is not None and residual_in_gemm(plan, residual, inp.dtype):
         check_residual(owner, residual, (*inp.shape[:-1], weight.shape[0]), inp.dtype)  # (one rank: out's shape)
         return LinearFunction.apply(inp, weight, bias, plan, None, residual)
-    if plan[0] is None and plan[1] is None and not plan[2].active:
+    if plan.fp8 is None and plan.targets is None and not plan.par.active:
         out = torch_linear(inp, weight, bias, True)
     else:
         out = LinearFunction.apply(inp, weight, bias, plan)
@@ -468,7 +468,7 @@ def norm_to_fp8(module: nn.Module, inp: torch.Tensor, weight: torch.Tensor, plan
     input, the norm output not returned, the native kernels usable (CUDA, not compiling). The carrier
     ([tokens, hidden], no storage) goes to the GEMM's Function as its input and brings the norm's
     output gradient back to the norm's backward (te_parallel.ops.norm.layer_norm_fp8)."""
-    fp8, targets, par, grad = plan
+    fp8, targets, par, grad = plan.fp8, plan.targets, plan.par, plan.grad
     if (fp8 is None or not fp8.compute or not fp8.delayed or par.gathers_input or par.overlap_fprop
             or module.return_layernorm_output):
         return None

@@ -14,7 +14,7 @@ from te_parallel.parallel.collectives import all_reduce_grad, gather_from_sp
 from te_parallel.parallel.groups import check_divisible
 from te_parallel.ops.activation import apply_activation, check_activation, is_gated
 from te_parallel.ops.linear import LinearFunction, residual_in_gemm
-from te_parallel.ops.mlp import DEFAULT_BWD_CHUNK_BYTES, FusedMLPFunction, can_fuse
+from te_parallel.ops.mlp import DEFAULT_BWD_CHUNK_BYTES, FusedMLPFunction, MLPPlan, can_fuse
 
 
 class LayerNormMLP(GemmModule):
@@ -143,7 +143,7 @@ class LayerNormMLP(GemmModule):
             check_residual("LayerNormMLP", residual, x.shape, dtype)
         acc = residual if residual_in_gemm(plan2, residual, dtype) else None  # (else added after fc2)
         fused = norm_to_fp8(self, x, w1, plan1)
-        mlp_plan = (self.activation, plan1, plan2, self.bwd_chunk_bytes)
+        mlp_plan = MLPPlan(self.activation, plan1, plan2, self.bwd_chunk_bytes)
         fuse = can_fuse(self.activation, x)
         if fused is not None and fuse:  # the norm writes fc1's FP8 input: no high-precision ln_out
             carrier, x_q = fused

@@ -94,6 +94,18 @@ class LinearParallel:
 
 
 SINGLE = LinearParallel()
+
+
+@dataclass(frozen=True, slots=True)
+class GemmPlan:
+    """How one GEMM of a module runs in this call (made by GemmModule._gemm_plan, read by linear_fwd):
+    fp8: its FP8 casts (ops.fp8_gemm_config.GemmFP8), or None in high precision; targets: where a fused
+    wgrad accumulates (None: dW is returned); par: its tensor-parallel split; grad: autograd is recording."""
+
+    fp8: Optional[object]
+    targets: Optional[List[WgradTarget]]
+    par: LinearParallel
+    grad: bool
 QUANTIZED = (Float8Tensor, BlockwiseTensor)  # the GEMM operands of an FP8 recipe (gemm.py dispatches on the pair)
 
 
@@ -202,7 +214,7 @@ def residual_in_gemm(plan, residual: Optional[torch.Tensor], act_dtype: torch.dt
     """True where a residual added to this GEMM's output goes into the GEMM's epilogue (linear_fwd's
     `accumulate`: D = A·B + C, one rounding, no separate add): an FP8 GEMM on one rank, whose output is not
     reduced across ranks, and a contiguous residual in the output's dtype. Elsewhere the caller adds it."""
-    fp8, par = plan[0], plan[2]
+    fp8, par = plan.fp8, plan.par
     return (residual is not None and fp8 is not None and fp8.compute and not par.active
             and residual.dtype == act_dtype and residual.is_contiguous())
 
@@ -213,12 +225,12 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     """y2d = x2d·Wᵀ + b (+ accumulate) on this rank (the collectives of `par` included); returns (y2d,
     LinearSaved).
 
-    plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode). x_q: the input already cast to
+    plan: a GemmPlan. x_q: the input already cast to
     FP8 with this GEMM's input scale (e.g. by the activation kernel before fc2; with its transpose when
     wgrad will need it), used instead of casting x2d (then None). Not with an input to gather.
     accumulate: [M, N] added in the GEMM's epilogue, only where residual_in_gemm(plan, ...) holds.
     """
-    fp8, wgrad_targets, par, grad = plan
+    fp8, wgrad_targets, par, grad = plan.fp8, plan.targets, plan.par, plan.grad
     out_features, in_features = weight.shape
     row = par.active and par.mode == "row"
     gathers, overlap = par.gathers_input, par.overlap_fprop
@@ -350,8 +362,8 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
 class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan, x_q=None, residual=None):
-        # plan: (GemmFP8 or None, wgrad targets, LinearParallel, grad mode) in one argument: autograd's
-        # apply() walks every argument on each call (host time of small layers). x_q: inp already cast
+        # plan: a GemmPlan, in one argument: autograd's apply() walks every argument on each call (host time
+        # of small layers). x_q: inp already cast
         # (linear_fwd's x_q); inp then only carries its gradient. residual: added in the GEMM's epilogue
         # (the output's shape; only where residual_in_gemm holds); its gradient is the output's.
         out_features, in_features = weight.shape

@@ -38,6 +38,7 @@ accumulation): this Function calls the same linear_fwd / linear_bwd.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,7 +48,7 @@ from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import activation as native_act
 from te_parallel.ops import activation as _act
 from te_parallel.ops.fp8_gemm_config import GemmFP8
-from te_parallel.ops.linear import LinearParallel, keep_graph, linear_bwd, linear_fwd
+from te_parallel.ops.linear import GemmPlan, LinearParallel, keep_graph, linear_bwd, linear_fwd
 
 # The backward makes fc2's dgrad output (the activation's gradient input, [tokens, ffn] in high
 # precision) in row chunks of about this many bytes by default, each consumed by the activation's
@@ -113,30 +114,40 @@ def _dact_into(name: str, da: torch.Tensor, h: torch.Tensor, out: torch.Tensor) 
         out.copy_(_act.dactivation_torch(name, da, h))
 
 
+@dataclass(frozen=True, slots=True)
+class MLPPlan:
+    """How LayerNormMLP's fc1 → activation → fc2 runs in this call: the activation's name, each GEMM's
+    GemmPlan, and the rows of the backward's chunks in bytes (LayerNormMLP.bwd_chunk_bytes)."""
+
+    activation: str
+    fc1: GemmPlan
+    fc2: GemmPlan
+    chunk_bytes: int
+
+
 class FusedMLPFunction(torch.autograd.Function):
     """y = fc2(act(fc1(x))) (+ residual) (see the module doc); inputs as LinearFunction's."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, plan, x_q=None, residual=None, lead=None):
-        # plan: (activation name, fc1 plan, fc2 plan, backward chunk bytes); a GEMM plan is
-        # LinearFunction's (GemmFP8, wgrad targets, LinearParallel, grad mode). x_q: x already cast as
+        # plan: an MLPPlan (the activation, each GEMM's GemmPlan, the backward's chunk bytes). x_q: x already cast as
         # fc1's input (LinearFunction's x_q). residual: y's shape, added in fc2's epilogue (only where
         # linear.residual_in_gemm holds for fc2); its gradient is y's. lead: y's leading dims (default:
         # x's), where x is a 2-D carrier of an input of another shape.
-        name, plan1, plan2, ctx.chunk_bytes = plan
-        fp8_1, fp8_2, grad = plan1[0], plan2[0], plan2[3]
+        name, plan1, plan2, ctx.chunk_bytes = plan.activation, plan.fc1, plan.fc2, plan.chunk_bytes
+        fp8_1, fp8_2, grad = plan1.fp8, plan2.fp8, plan2.grad
         dtype = x.dtype
         acc = None if residual is None else residual.view(-1, w2.shape[0])
         ctx.res_shape = None if residual is None else residual.shape
         h, s1 = linear_fwd(x.reshape(-1, w1.shape[1]), w1, b1, plan1, dtype, x_q)  # [M, fc1 out]
         ctx.fp8_act = fp8_activation(fp8_1, fp8_2)
         if ctx.fp8_act:
-            need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
+            need_wgrad2 = grad and (w2.requires_grad or bool(plan2.targets))
             a8 = fp8_2.cast_activation(name, h, transpose=need_wgrad2)  # fc2's input (+ its transpose)
             y, s2 = linear_fwd(None, w2, b2, plan2, dtype, a8, acc)
-        elif _two_pass_fp8(name, h, fp8_2, plan2[2]):  # current scaling: amax pass, then the FP8 pass
-            need_wgrad2 = grad and (w2.requires_grad or bool(plan2[1]))
-            a8 = fp8_2.cast_activation_current(name, h, transpose=need_wgrad2, amax_group=plan2[2].amax_group)
+        elif _two_pass_fp8(name, h, fp8_2, plan2.par):  # current scaling: amax pass, then the FP8 pass
+            need_wgrad2 = grad and (w2.requires_grad or bool(plan2.targets))
+            a8 = fp8_2.cast_activation_current(name, h, transpose=need_wgrad2, amax_group=plan2.par.amax_group)
             y, s2 = linear_fwd(None, w2, b2, plan2, dtype, a8, acc)
         else:
             y, s2 = linear_fwd(_act_forward(name, h), w2, b2, plan2, dtype, None, acc)
