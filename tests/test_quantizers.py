@@ -290,8 +290,9 @@ def test_recipe_quantizers_for_each_recipe(device):
     assert amaxes["input"].item() == x.abs().max().item() and amaxes["weight"].item() == 0
     with pytest.raises(ValueError, match="scale= and amax="):
         te.recipe_quantizers(R.DelayedScaling())
+    mx = te.recipe_quantizers(R.MXFP8BlockScaling())  # made, as TE makes them; used, they refuse
     with pytest.raises(NotImplementedError, match="Blackwell"):
-        te.recipe_quantizers(R.MXFP8BlockScaling())
+        mx.fprop_input(torch.randn(4, 128))
     with pytest.raises(ValueError, match="tensor_type"):
         te.make_quantizer(block, te.QuantizerRole(tensor_type="qkv"))
 
@@ -309,7 +310,9 @@ def _one_line(excinfo) -> str:
 
 
 def test_one_line_errors(device):
-    for make in (lambda: Q.MXFP8Quantizer(Q.DType.kFloat8E4M3), lambda: Q.NVFP4Quantizer(), lambda: Q.MXFP8Tensor(),
+    x = torch.randn(4, 128, device=device)
+    for make in (lambda: Q.MXFP8Quantizer(Q.DType.kFloat8E4M3)(x), lambda: Q.NVFP4Quantizer().quantize(x),
+                 lambda: Q.MXFP8Quantizer(Q.DType.kFloat8E4M3).make_empty((4, 128)), lambda: Q.MXFP8Tensor(),
                  lambda: Q.NVFP4Tensor(shape=(2,), dtype=torch.float32)):
         with pytest.raises(NotImplementedError) as e:
             make()
