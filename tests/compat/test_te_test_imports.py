@@ -152,3 +152,11 @@ def test_cpp_extensions_package():
     assert FusedAttnBackend.cast(-1) is FusedAttnBackend.No_Backend
     with pytest.raises(NotImplementedError, match="fused attention"):
         fused_attn_fwd()
+
+
+def test_parallel_attention_mlp_is_refused_in_one_line():
+    import transformer_engine.pytorch as te
+
+    with pytest.raises(NotImplementedError, match="parallel_attention_mlp=True .* not implemented in te_parallel"):
+        te.TransformerLayer(64, 128, 4, parallel_attention_mlp=True, device="cpu")
+    te.TransformerLayer(64, 128, 4, parallel_attention_mlp=False, device="cpu")

@@ -13,6 +13,9 @@ class TransformerLayer(TECompositeMixin, te_parallel.TransformerLayer):
     """One transformer block (te_parallel.TransformerLayer)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *args, **kwargs) -> None:
+        if kwargs.pop("parallel_attention_mlp", False):
+            raise NotImplementedError("TransformerLayer: parallel_attention_mlp=True (attention and MLP side by side on "
+                                      "one input) is not implemented in te_parallel; leave it False")
         te = pop_composite_kwargs("TransformerLayer", kwargs)
         super().__init__(hidden_size, ffn_hidden_size, num_attention_heads, *args, **kwargs)
         self._init_composite(te, [getattr(self, "self_attention", None), getattr(self, "inter_attention", None)])
