@@ -40,6 +40,20 @@ def _fp8_names(module):
     return [n for n, p in module.named_parameters() if isinstance(p, Float8Weight)]
 
 
+def assert_same_step(ref, fp8, x, recipe, step):
+    """One fwd+bwd of both modules on copies of x under `recipe`: outputs, input gradients and every parameter
+    gradient bit-equal."""
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    with te.fp8_autocast(fp8_recipe=recipe):
+        y_ref, y_fp8 = ref(xs[0]), fp8(xs[1])
+    y_ref.float().pow(2).mean().backward()
+    y_fp8.float().pow(2).mean().backward()
+    assert torch.equal(y_ref, y_fp8), f"step {step}: outputs differ"
+    assert torch.equal(xs[0].grad, xs[1].grad), f"step {step}: input gradients differ"
+    for (n, p), q in zip(ref.named_parameters(), fp8.parameters()):
+        assert torch.equal(p.grad, q.grad), f"step {step}: gradient of {n} differs"
+
+
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("name", list(MODULES))
 def test_training_equals_high_precision_weights(name, recipe_name, device):
@@ -53,16 +67,7 @@ def test_training_equals_high_precision_weights(name, recipe_name, device):
     opt_fp8 = torch.optim.SGD(masters.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(3)
     for step in range(3):
-        x = torch.randn(*MODULES[name][3], generator=g).to(device)
-        xs = [x.clone().requires_grad_(True) for _ in range(2)]
-        with te.fp8_autocast(fp8_recipe=recipe):
-            y_ref, y_fp8 = ref(xs[0]), fp8(xs[1])
-        y_ref.float().pow(2).mean().backward()
-        y_fp8.float().pow(2).mean().backward()
-        assert torch.equal(y_ref, y_fp8), f"step {step}: outputs differ"
-        assert torch.equal(xs[0].grad, xs[1].grad), f"step {step}: input gradients differ"
-        for (n, p), q in zip(ref.named_parameters(), fp8.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: gradient of {n} differs"
+        assert_same_step(ref, fp8, torch.randn(*MODULES[name][3], generator=g).to(device), recipe, step)
         masters.step(opt_fp8)
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)

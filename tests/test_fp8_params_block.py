@@ -22,6 +22,7 @@ from te_parallel import recipe as R
 from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise_reference
 from te_parallel.fp8.params import Float8Weight, MasterWeights, write_fp8_weights
 from te_parallel.ops.fp8_weight import cat_fp8_weights, weight_operand
+from tests.test_fp8_params import assert_same_step
 
 E4M3 = torch.float8_e4m3fn
 DIMS = {"128x128": 2, "1x128": 1}
@@ -174,16 +175,7 @@ def test_forward_backward_equals_dequantized_weights(name, blocks):
         with torch.no_grad():
             for p, q in zip(ref.parameters(), fp8.parameters()):
                 p.copy_(q.dequantize() if isinstance(q, Float8Weight) else q)
-        x = torch.randn(*MODULES[name][3], generator=g)
-        xs = [x.clone().requires_grad_(True) for _ in range(2)]
-        with te.fp8_autocast(fp8_recipe=recipe):
-            y_ref, y_fp8 = ref(xs[0]), fp8(xs[1])
-        y_ref.float().pow(2).mean().backward()
-        y_fp8.float().pow(2).mean().backward()
-        assert torch.equal(y_ref, y_fp8), f"step {step}: outputs differ"
-        assert torch.equal(xs[0].grad, xs[1].grad), f"step {step}: input gradients differ"
-        for (n, p), q in zip(ref.named_parameters(), fp8.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: gradient of {n} differs"
+        assert_same_step(ref, fp8, torch.randn(*MODULES[name][3], generator=g), recipe, step)
         ref.zero_grad(set_to_none=True)
         masters.step(opt)
 
