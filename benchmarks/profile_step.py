@@ -1,7 +1,7 @@
 """Where the time of one fwd+bwd step goes: a per-kernel table from torch.profiler, and the GEMMs alone.
 
-    python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|bf16]
-    python benchmarks/profile_step.py layer  [--model gpt|llama] [--recipe delayed|current|bf16|torch] [--batch 4] [--seq 512]
+    python benchmarks/profile_step.py linear [--shape 8192x4096x16384] [--recipe delayed|current|block|bf16]
+    python benchmarks/profile_step.py layer  [--model gpt|llama] [--recipe delayed|current|block|bf16|torch] [--batch 4] [--seq 512]
     add --peer to linear / layer to profile NVIDIA Transformer Engine's module (installed beside)
     add --compile to linear / layer to profile te_parallel's module under torch.compile
     python benchmarks/profile_step.py gemm   [--shape 8192x4096x16384]
@@ -30,7 +30,8 @@ from common import Parser, report, te_training_step, time_cuda, training_step, t
 from te_parallel import recipe  # noqa: E402
 from te_parallel.ops.attention import BACKENDS  # noqa: E402
 
-RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "bf16": None, "torch": None}
+RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "block": recipe.Float8BlockScaling,
+           "bf16": None, "torch": None}
 
 
 def _build(kind: str, args):
