@@ -272,6 +272,10 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, a_dim: int, b: torch.Tensor, sb:
         sa = sa.t().contiguous().t()  # (a row slice's scales: [M, K/128] with strides (1, M) is what cuBLASLt reads)
     elif a_dim == 2 and not sa.is_contiguous():
         sa = sa.contiguous()
+    if b_dim == 2 and sb.stride(0) != 1:
+        sb = sb.t().contiguous().t()  # (block scales [K/128, N/128] with the K tiles innermost, as cuBLASLt reads them)
+    elif b_dim == 1 and not sb.is_contiguous():
+        sb = sb.contiguous()
     result = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
     if bias is not None:
         result = result.add_(bias.to(out_dtype))

@@ -18,7 +18,7 @@ def _to(q, device):
 
 
 @pytest.mark.parametrize("m, k, n", [(256, 512, 384), (4096, 4096, 4096), (200, 304, 136), (48, 1000, 272),
-                                     (128, 128, 16)])
+                                     (128, 128, 16), (512, 512, 256)])
 @pytest.mark.parametrize("x_dim, w_dim", [(1, 2), (1, 1), (2, 1)])
 def test_three_gemms_match_the_cpu_path(m, k, n, x_dim, w_dim, device):
     """fprop, dgrad and wgrad on the GPU against the CPU path on the very same quantized operands (the GPU's
