@@ -1,6 +1,8 @@
 """Combine train_gpt logs into one plot (validation loss, and its % difference to the first run) and a table.
 
     python benchmarks/plot_convergence.py OUT.png NAME=path/log.json [NAME=path/log.json ...]
+
+The title names the model from the first log's config (architecture, layers x hidden).
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ def _val(log):
 
 
 def main() -> None:
-    out, specs = Path(sys.argv[1]), sys.argv[2:]
+    out, specs = Path(sys.argv[1]) if len(sys.argv) > 1 else None, sys.argv[2:]
+    if out is None or not specs or any("=" not in s for s in specs):
+        sys.exit(f"plot_convergence: got {sys.argv[1:]}; need OUT.png NAME=path/log.json [NAME=path/log.json ...]")
     runs, rows = {}, []
     for spec in specs:
         name, path = spec.rsplit("=", 1)
@@ -39,7 +43,10 @@ def main() -> None:
         rel.plot(steps, [100 * (v[s] / base[s] - 1) for s in steps], "o-", color=f"C{i}", markersize=3, label=name)
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_ylim(0.5, 3.0)
-    ax.set_title("GPT 6x512 on stdlib bytes: train (thin), validation (dots)")
+    cfg = json.loads(Path(specs[0].rsplit("=", 1)[1]).read_text())["config"]
+    model = "Llama-style" if cfg.get("arch") == "llama" else "GPT"
+    ax.set_title(f"{model} {cfg.get('layers', '?')}x{cfg.get('hidden', '?')} on stdlib bytes: train (thin), "
+                 "validation (dots)")
     rel.axhspan(-1, 1, color="0.9")
     rel.set_ylabel(f"val loss vs {next(iter(runs))} (%)")
     rel.set_xlabel("step")
