@@ -234,16 +234,21 @@ def bench_host(rounds: int = 9):
     return rows
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--part", nargs="+", default=["gemms", "layer", "host"], choices=["gemms", "layer", "host"])
     ap.add_argument("--energy", type=float, default=None, metavar="SECONDS",
                     help="joules per step over SECONDS of back-to-back steps per row (NVML)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.energy is not None and args.energy <= 0:
         ap.error(f"--energy {args.energy}: need a positive number of seconds")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe needs a CUDA GPU")
     results = {}

@@ -1,4 +1,4 @@
-"""The command lines of benchmarks/bench_host.py, bench_linear.py, bench_transformer.py and profile_step.py,
+"""The command lines of benchmarks/bench_host.py, bench_linear.py, bench_transformer.py, bench_moe.py and profile_step.py,
 and the parts of them that run on the CPU.
 
 A mistake on either command line: exit status 2 and one line on stderr naming the flag, before any work.
@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_host  # noqa: E402
 import bench_linear  # noqa: E402
+import bench_moe  # noqa: E402
 import bench_transformer  # noqa: E402
 import profile_step  # noqa: E402
 
@@ -59,6 +60,9 @@ MISTAKES = {
     "profile: --memory with --host": (profile_step, ["layer", "--memory", "--host"], "--memory goes alone"),
     "profile: --memory with --gaps": (profile_step, ["linear", "--memory", "--gaps"], "--memory goes alone"),
     "profile: unknown recipe": (profile_step, ["layer", "--recipe", "mxfp8"], "--recipe"),
+    "moe: unknown case": (bench_moe, ["--cases", "llama4"], "--cases"),
+    "moe: unknown part": (bench_moe, ["--part", "router"], "--part"),
+    "moe: energy window not positive": (bench_moe, ["--energy", "0"], "--energy 0"),
 }
 
 
@@ -90,7 +94,7 @@ def test_defaults():
 def test_scripts_answer_help():
     procs = {script: subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--help"], cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for script in ("bench_host.py", "bench_linear.py", "bench_transformer.py")}
+             for script in ("bench_host.py", "bench_linear.py", "bench_transformer.py", "bench_moe.py")}
     for script, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0 and out.startswith(f"usage: {script}"), err
@@ -219,3 +223,28 @@ def test_energy_per_step_arithmetic(monkeypatch):
     assert got["a"]["ms_at_limit"] == pytest.approx(4.0) and got["b"]["ms_at_limit"] == pytest.approx(0.5)
     assert got["a"]["sm_MHz"] == 1500 and got["a"]["limit_W"] == 500.0
     assert got["a"]["watts"] > 0 and got["b"]["ms_in_window"] > 0
+
+
+def test_moe_splits_are_uneven_aligned_and_whole():
+    splits = bench_moe.routed_splits(128, 131072)
+    assert sum(splits) == 131072 and len(splits) == 128 and all(s % 128 == 0 for s in splits)
+    assert max(splits) > 2 * min(splits)  # routing is uneven
+    assert bench_moe.routed_splits(128, 131072) == splits  # every row of a run sees the same splits
+
+
+def test_torch_moe_layer_matches_a_per_token_loop():
+    """The torch baseline layer of bench_moe (grouped GEMMs over sorted tokens) against a loop over each
+    token's top-k experts in fp64."""
+    torch.manual_seed(0)
+    layer = bench_moe.TorchMoE(experts=4, topk=2, hidden=16, ffn=8, device="cpu", dtype=torch.float32)
+    x = torch.randn(10, 16)
+    got = layer(x)
+    w_router = layer.router.weight.detach().double()
+    probs, idx = torch.topk(torch.softmax(x.double() @ w_router.t(), -1), 2, dim=-1)
+    want = torch.zeros(10, 16, dtype=torch.float64)
+    for t in range(10):
+        for j in range(2):
+            e = idx[t, j]
+            a, b = (x[t].double() @ layer.fc1[e].detach().double().t()).chunk(2)
+            want[t] += probs[t, j] * (layer.fc2[e].detach().double() @ (torch.nn.functional.silu(a) * b))
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5)
