@@ -1,6 +1,7 @@
 """Mixture-of-Experts GEMMs and layers: te_parallel's GroupedLinear and MoE layer beside torch and TE, same run.
 
-    python benchmarks/bench_moe.py [--cases qwen3 mixtral] [--part gemms layer host] [--energy SECONDS] [--json out.json]
+    python benchmarks/bench_moe.py [--cases qwen3 mixtral] [--part gemms layer host] [--energy SECONDS]
+                                   [--json out.json]
 
 --part gemms: the expert fc1 GEMMs fwd+bwd (routed rows x hidden -> 2 x expert FFN), rows
   torch loop bf16        a Python loop of F.linear over the experts (what a plain PyTorch MoE does)
@@ -153,7 +154,8 @@ class TorchMoE(torch.nn.Module):
         super().__init__()
         self.experts, self.topk = experts, topk
         self.router = torch.nn.Linear(hidden, experts, bias=False, device=device, dtype=dtype)
-        self.fc1 = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden, device=device, dtype=dtype) * hidden ** -0.5)
+        self.fc1 = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden, device=device, dtype=dtype)
+                                      * hidden ** -0.5)
         self.fc2 = torch.nn.Parameter(torch.randn(experts, hidden, ffn, device=device, dtype=dtype) * ffn ** -0.5)
 
     def forward(self, x):  # x [tokens, hidden]

@@ -1,5 +1,5 @@
-"""The command lines of benchmarks/bench_host.py, bench_linear.py, bench_transformer.py, bench_moe.py and profile_step.py,
-and the parts of them that run on the CPU.
+"""The command lines of benchmarks/bench_host.py, bench_linear.py, bench_transformer.py, bench_moe.py and
+profile_step.py, and the parts of them that run on the CPU.
 
 A mistake on either command line: exit status 2 and one line on stderr naming the flag, before any work.
 The steps the GPU runs time are built from the same functions here, on small CPU layers: bench_host's
