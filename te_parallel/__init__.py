@@ -12,6 +12,7 @@ from te_parallel.convert import LLAMA_TP_PLAN, convert
 from te_parallel.graph import make_graphed_callables
 from te_parallel.module import (
     DotProductAttention,
+    GroupedLinear,
     LayerNorm,
     LayerNormLinear,
     LayerNormMLP,
@@ -22,6 +23,12 @@ from te_parallel.module import (
     TransformerLayer,
     apply_rotary_pos_emb,
 )
+from te_parallel.module.fp8_padding import Fp8Padding, Fp8Unpadding
+from te_parallel.moe import MoEConfig, MoELayer, moe_aux_loss
+from te_parallel.ops.moe_permute import (moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs,
+                                         moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs, moe_unpermute)
+from te_parallel.ops.moe_router import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
+                                        fused_topk_with_score_function)
 from te_parallel.parallel.clip import clip_grad_norm_, get_total_norm
 from te_parallel.parallel.dcp import dcp_state_dict, load_dcp_state_dict
 from te_parallel.parallel.overlap import CommOverlap, OverlapConfig, initialize_ub
@@ -40,6 +47,7 @@ native.available()  # import the compiled kernels now; warns once here if they w
 
 __all__ = [
     "Linear",
+    "GroupedLinear",
     "LayerNorm",
     "RMSNorm",
     "LayerNormLinear",
@@ -94,4 +102,18 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "get_default_fp8_recipe",
+    "Fp8Padding",
+    "Fp8Unpadding",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_permute_and_pad_with_probs",
+    "moe_unpermute",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "MoELayer",
+    "MoEConfig",
+    "moe_aux_loss",
 ]

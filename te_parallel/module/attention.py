@@ -12,6 +12,7 @@ from te_parallel.module.rope import apply_rotary_pos_emb
 from te_parallel.ops.attention import BACKENDS, check_mask_type, check_window, default_scale, make_band
 from te_parallel.ops.attention_dispatch import Call, make_batch, run
 from te_parallel.ops.attention_varlen import token_positions
+from te_parallel.parallel.context_parallel import context_parallel_attention, make_context_parallel
 from te_parallel.parallel.groups import check_divisible
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -29,6 +30,10 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
     "flash_varlen", "efficient", "math", "unfused"; `last_backend` says which one ran. Masks: True =
     masked out. Padding masks give zeros at padded query positions (as TE). Attention dropout on
     sharded heads draws from the tracker's model-parallel RNG state when get_rng_state_tracker is given.
+
+    Context parallelism (TE's cp_group, cp_global_ranks, cp_stream, cp_comm_type; or
+    set_context_parallel_group): the inputs are this rank's tokens in the load-balanced layout and so is the
+    output (te_parallel.parallel.context_parallel; a group of one rank, or None, changes nothing).
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
@@ -36,7 +41,8 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
                  window_size=None, sequence_parallel: bool = False, tp_size: int = 1, get_rng_state_tracker=None,
                  tp_group=None, layer_number: Optional[int] = None, attention_type: str = "self",
                  softmax_scale: Optional[float] = None, backend: str = "auto",
-                 rng_tracker_name: Optional[str] = None) -> None:
+                 rng_tracker_name: Optional[str] = None, cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type: str = "p2p") -> None:
         super().__init__()
         owner = "DotProductAttention"
         self._init_tp(owner, tp_group, tp_size, sequence_parallel)
@@ -56,6 +62,14 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         self.attention_dropout, self.softmax_scale, self.backend = attention_dropout, softmax_scale, backend
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.layer_number, self.last_backend = layer_number, None
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> None:
+        """TE's API: cp_group a ProcessGroup (or [a2a group, p2p group] for cp_comm_type "a2a+p2p"),
+        cp_global_ranks its global ranks in order, cp_stream kept for TE's signature; checked here."""
+        self.cp_config = make_context_parallel("DotProductAttention", cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
 
     def reset_parameters(self) -> None:
         """Nothing to initialise: the attention core has no parameters or buffers (here for the
@@ -97,11 +111,17 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         window = check_window(owner, window_size) if window_size is not None else self.window_size
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
         band = make_band(mask_type, window)
+        p = self.attention_dropout if self.training else 0.0
+        call = Call(owner, fmt, mask_type, band, default_scale(self.kv_channels, self.softmax_scale), p, self.backend)
+        if self.cp_config is not None:
+            with self._dropout_rng(p):
+                out, self.last_backend = context_parallel_attention(
+                    self.cp_config, call, query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
+                    cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+            return out
         batch = make_batch(owner, fmt, query_layer, key_layer, value_layer, mask_type, band, attention_mask,
                            cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
                            max_seqlen_kv)
-        p = self.attention_dropout if self.training else 0.0
-        call = Call(owner, fmt, mask_type, band, default_scale(self.kv_channels, self.softmax_scale), p, self.backend)
         with self._dropout_rng(p):
             out, self.last_backend = run(call, batch)
         return out

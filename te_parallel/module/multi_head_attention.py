@@ -15,6 +15,7 @@ from te_parallel.module.rope import apply_rotary_pos_emb
 from te_parallel.ops.attention_dispatch import split_views
 from te_parallel.ops.rope import qkv_rope_split
 from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
+from te_parallel.parallel.context_parallel import rotary_on_rank
 from te_parallel.parallel.groups import as_group
 
 
@@ -39,6 +40,9 @@ class MultiheadAttention(nn.Module):
     packed sequence starts (RoPE then counts positions from each sequence's start).
     forward(..., residual=t) (te_parallel's addition) returns out + t, t of out's shape and dtype: the
     projection adds it (te.Linear's `residual`: in its FP8 epilogue on one rank).
+    Context parallelism (cp_group, cp_global_ranks, cp_stream, cp_comm_type, or set_context_parallel_group):
+    hidden_states holds this rank's tokens in the load-balanced layout; rotary_pos_emb is the whole
+    sequence's and each local token takes its own position's angles.
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
@@ -52,7 +56,8 @@ class MultiheadAttention(nn.Module):
                  qkv_weight_interleaved: bool = True, ub_overlap_ag: bool = False, ub_overlap_rs: bool = False,
                  ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
                  ub_comm=None, bias: bool = True, normalization: str = "LayerNorm", device=None, qkv_format: str = "sbhd",
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type: str = "p2p") -> None:
         super().__init__()
         owner = "MultiheadAttention"
         self.tp_size = resolve_tp_size(owner, tp_group, tp_size)
@@ -69,7 +74,8 @@ class MultiheadAttention(nn.Module):
             num_attention_heads, self.head_dim, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size, tp_size=self.tp_size,
             get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, layer_number=layer_number,
-            attention_type=attention_type, backend=attention_backend)
+            attention_type=attention_type, backend=attention_backend, cp_group=cp_group, cp_global_ranks=cp_global_ranks,
+            cp_stream=cp_stream, cp_comm_type=cp_comm_type)
         col = "column" if set_parallel_mode else None
         common = dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=self.tp_size,
                       sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device, bias=bias,
@@ -128,6 +134,20 @@ class MultiheadAttention(nn.Module):
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Hand every projection and the attention core the TP group (a ProcessGroup or a 1-D DeviceMesh)."""
         set_tree_tp_group(self, tp_group)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> None:
+        """Hand the attention core its context-parallel group (TE's API; see DotProductAttention)."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def _rope_on_rank(self, cp, rope, out, encoder_output, cu_q, cu_kv, cu_q_padded, cu_kv_padded):
+        """(q angles, k angles) of the whole sequence -> those of this rank's query and key tokens."""
+        s_dim = 1 if self.qkv_format == "bshd" else 0
+        starts_q = cu_q if cu_q_padded is None else cu_q_padded
+        starts_kv = cu_kv if cu_kv_padded is None else cu_kv_padded
+        starts_kv = starts_q if starts_kv is None else starts_kv
+        keys = out if encoder_output is None else encoder_output
+        return (rotary_on_rank(cp, rope[0], self.qkv_format, out.shape[s_dim], starts_q),
+                rotary_on_rank(cp, rope[1], self.qkv_format, keys.shape[s_dim], starts_kv))
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.reshape(*t.shape[:-1], n, self.head_dim)
@@ -188,6 +208,10 @@ class MultiheadAttention(nn.Module):
         rope = None  # (q angles, k angles)
         if rotary_pos_emb is not None:
             rope = tuple(rotary_pos_emb) if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb,) * 2
+        cp = self.core_attention.cp_config
+        if rope is not None and cp is not None:  # the whole sequence's angles -> this rank's tokens' (in their order)
+            rope = self._rope_on_rank(cp, rope, out, encoder_output, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                      cu_seqlens_kv_padded)
         qkv = None
         if self.attention_type == "self" and rope is not None and self.interleaved and self.qkv_format == "sbhd":
             # q and k rotated where they lie in `out`, their gradients written back there (no regrouping copy,
@@ -205,7 +229,9 @@ class MultiheadAttention(nn.Module):
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
         if rope is not None:
             q_emb, k_emb = rope
-            if self.qkv_format == "thd":  # positions within each packed sequence
+            if self.qkv_format == "thd" and cp is not None:  # angles per local token already
+                q, k = (apply_rotary_pos_emb(t.unsqueeze(1), f, "sbhd").squeeze(1) for t, f in ((q, q_emb), (k, k_emb)))
+            elif self.qkv_format == "thd":  # positions within each packed sequence
                 starts_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
                 starts_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
                 starts_kv = starts_q if starts_kv is None else starts_kv

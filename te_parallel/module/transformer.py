@@ -14,6 +14,7 @@ from te_parallel.module.init import reset_children
 from te_parallel.module.layernorm import LayerNorm, RMSNorm
 from te_parallel.module.layernorm_mlp import LayerNormMLP
 from te_parallel.module.multi_head_attention import MultiheadAttention, head_dim
+from te_parallel.moe.layer import LayerNormMoE, MoEConfig
 from te_parallel.module.parallel_mixin import resolve_tp_size, set_tree_tp_group
 from te_parallel.parallel.groups import as_group
 from te_parallel.ops.attention import check_mask_type
@@ -45,7 +46,12 @@ class TransformerLayer(nn.Module):
     With set_parallel_mode and a TP group: QKV/FC1 column-parallel, PROJ/FC2 row-parallel; with
     sequence_parallel, hidden_states is [s/tp, b, h] and so is the output. With attn_input_format="thd"
     (packed sequences) hidden_states is [total_tokens, h] and forward takes TE's cu_seqlens_q/kv and
-    max_seqlen_q/kv.
+    max_seqlen_q/kv. Context parallelism (cp_group, cp_global_ranks, cp_stream, cp_comm_type, or
+    set_context_parallel_group): hidden_states holds this rank's tokens in the load-balanced layout
+    (te_parallel.parallel.context_parallel), and so does the output.
+    Mixture of Experts (te_parallel's addition): moe=MoEConfig(num_experts, topk, ...) makes the MLP block a
+    norm + te_parallel.MoELayer of SwiGLU experts of ffn_hidden_size (activation must be "swiglu"; the experts
+    have no biases), expert-parallel over ep_group; `aux_loss` is its last load-balancing loss.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -63,7 +69,8 @@ class TransformerLayer(nn.Module):
                  ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = True, ub_bulk_wgrad: bool = True,
                  ub_comm=None, bias: bool = True, activation: str = "gelu",
                  normalization: str = "LayerNorm", device=None, attn_input_format: str = "sbhd",
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type: str = "p2p", moe: Optional[MoEConfig] = None, ep_group=None) -> None:
         super().__init__()
         owner = "TransformerLayer"
         if layer_type not in ("encoder", "decoder"):
@@ -92,7 +99,9 @@ class TransformerLayer(nn.Module):
         attn = dict(kv_channels=kv_channels, attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
                     layer_number=layer_number, num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
                     qkv_weight_interleaved=qkv_weight_interleaved, normalization=normalization,
-                    qkv_format=attn_input_format, return_bias=False, attention_backend=attention_backend, **common)
+                    qkv_format=attn_input_format, return_bias=False, attention_backend=attention_backend,
+                    cp_group=cp_group, cp_global_ranks=cp_global_ranks, cp_stream=cp_stream, cp_comm_type=cp_comm_type,
+                    **common)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
             input_layernorm=not output_layernorm, attention_type="self",
@@ -102,16 +111,32 @@ class TransformerLayer(nn.Module):
                 hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type, input_layernorm=True,
                 attention_type="cross", return_layernorm_output=apply_residual_connection_post_layernorm, **attn)
         common.pop("output_layer_init_method")
-        self.layernorm_mlp = LayerNormMLP(
-            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, normalization=normalization,
-            return_bias=False, return_layernorm_output=apply_residual_connection_post_layernorm,
-            output_layer_init_method=output_layer_init_method, **common, **ub)
+        if moe is not None:  # (MoE) norm + MoELayer in place of LayerNormMLP
+            if activation != "swiglu":
+                raise ValueError(f"{owner}: moe experts are SwiGLU MLPs; got activation={activation!r}, pass "
+                                 f"activation='swiglu'")
+            self.layernorm_mlp = LayerNormMoE(
+                hidden_size, ffn_hidden_size, moe, eps=layernorm_epsilon, normalization=normalization,
+                zero_centered_gamma=zero_centered_gamma, return_layernorm_output=apply_residual_connection_post_layernorm,
+                sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=self.tp_size, ep_group=ep_group,
+                params_dtype=params_dtype, device=device, init_method=init_method,
+                output_layer_init_method=output_layer_init_method)
+        else:
+            self.layernorm_mlp = LayerNormMLP(
+                hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, normalization=normalization,
+                return_bias=False, return_layernorm_output=apply_residual_connection_post_layernorm,
+                output_layer_init_method=output_layer_init_method, **common, **ub)
         if output_layernorm:
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm(hidden_size, eps=layernorm_epsilon, sequence_parallel=sequence_parallel,
                                   params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device,
                                   tp_group=tp_group if self.tp_size > 1 else None)
         self.drop_path = DropPath(drop_path_rate, batch_dim=1 if attn_input_format == "sbhd" else 0)
+
+    @property
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        """The MoE MLP's load-balancing loss of the last forward (None without moe, or with aux_loss_coeff 0)."""
+        return self.layernorm_mlp.aux_loss if isinstance(self.layernorm_mlp, LayerNormMoE) else None
 
     def reset_parameters(self) -> None:
         """Initialise every submodule as the constructor does, in the same order (so the same seed gives
@@ -121,6 +146,12 @@ class TransformerLayer(nn.Module):
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Hand every sub-module the TP group (a ProcessGroup or a 1-D DeviceMesh) after construction (TE's API)."""
         set_tree_tp_group(self, tp_group)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> None:
+        """Hand the attention blocks their context-parallel group (TE's API; see DotProductAttention)."""
+        for attn in (self.self_attention, getattr(self, "inter_attention", None)):
+            if attn is not None:
+                attn.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def _dropout_add(self, out, residual):
         """residual + drop_path(dropout(out)); the projections add their bias in the GEMM epilogue.

@@ -87,17 +87,17 @@ def test_attention_keywords():
         dpa(*(torch.randn(8, 1, n, 16) for n in (4, 2, 2)), alibi_slopes=torch.ones(4))
 
 
-def test_context_parallel_group_fails_at_use(monkeypatch):
-    import transformer_engine.pytorch.attention.dot_product_attention as dpa_mod
-
+def test_context_parallel_group_is_taken():
+    """TE's set_context_parallel_group reaches te_parallel's attention: no group (or one rank) changes
+    nothing; a comm type TE does not have is refused in one line (tests/distributed/test_context_parallel.py
+    runs the groups)."""
     dpa = te.DotProductAttention(4, 16)
     q = torch.randn(8, 1, 4, 16)
     dpa.set_context_parallel_group(None, None, None)
     dpa(q, q, q)  # no group: runs
-    monkeypatch.setattr(dpa_mod, "group_size", lambda group: 2)
-    dpa.set_context_parallel_group(object(), [0, 1], None, "p2p")
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        dpa(q, q, q)
+    assert dpa.cp_config is None
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        dpa.set_context_parallel_group(None, None, None, "ring")
 
 
 @pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm", "L2Normalization"])

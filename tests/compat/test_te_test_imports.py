@@ -102,8 +102,10 @@ def test_module_names():
     from transformer_engine.pytorch.module import is_module_grouped_tensor_path_supported
     from transformer_engine.pytorch.module.base import get_dummy_wgrad
 
-    assert is_module_grouped_tensor_path_supported(None, torch.bfloat16) is False  # no GroupedLinear here
-    assert is_module_grouped_tensor_path_supported(recipe.Float8CurrentScaling(), torch.bfloat16) is False
+    # GroupedLinear's path without host split sizes: bf16 and the FP8 recipes te_parallel runs
+    assert is_module_grouped_tensor_path_supported(None, torch.bfloat16) is True
+    assert is_module_grouped_tensor_path_supported(None, torch.float32) is False
+    assert is_module_grouped_tensor_path_supported(recipe.Float8CurrentScaling(), torch.bfloat16) is True
     dummy = get_dummy_wgrad([4, 8], torch.float32, zero=True)
     assert dummy.shape == (4, 8) and dummy.dtype == torch.float32 and not dummy.any()
 

@@ -13,7 +13,6 @@ from torch import nn
 import te_parallel
 from te_parallel import te_layout
 from te_parallel.fp8 import autocast as _regions
-from te_parallel.parallel.groups import group_size
 
 from transformer_engine.common.recipe import Recipe, to_te_parallel
 
@@ -79,13 +78,11 @@ class TECompositeMixin:
         self.set_context_parallel_group(te["cp_group"], te["cp_global_ranks"], te["cp_stream"], te["cp_comm_type"])
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p") -> None:
-        """Keep the context-parallel group (TE's API); a group of more than one rank fails at forward."""
+        """The context-parallel group (TE's API), handed to te_parallel's attention blocks."""
         self.cp_group = cp_group
+        super().set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def _before_forward(self) -> None:
-        if self.cp_group is not None and group_size(self.cp_group) > 1:
-            raise NotImplementedError(f"{type(self).__name__}: context parallelism (cp_group of "
-                                      f"{group_size(self.cp_group)} ranks) is not implemented in te_parallel")
         frame = _regions.current_frame()
         if frame is not None:
             from transformer_engine.pytorch.fp8 import current_te_recipe

@@ -1,12 +1,8 @@
-"""TE's MoE token permutation kernels: import-only in te_parallel."""
-from transformer_engine.pytorch._missing import missing_function
+"""TE's MoE token permutation (`transformer_engine.pytorch.permutation`): te_parallel's, with TE's signatures.
 
-_WHAT = "MoE token permutation"
-moe_permute = missing_function("permutation.moe_permute", _WHAT)
-moe_permute_with_probs = missing_function("permutation.moe_permute_with_probs", _WHAT)
-moe_unpermute = missing_function("permutation.moe_unpermute", _WHAT)
-moe_sort_chunks_by_index = missing_function("permutation.moe_sort_chunks_by_index", _WHAT)
-moe_sort_chunks_by_index_with_probs = missing_function("permutation.moe_sort_chunks_by_index_with_probs", _WHAT)
+The row_id_map these return is te_parallel's own format (docs/moe.md): pass it back to these functions only."""
+from te_parallel import (moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs, moe_sort_chunks_by_index,
+                         moe_sort_chunks_by_index_with_probs, moe_unpermute)
 
-__all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute", "moe_sort_chunks_by_index",
-           "moe_sort_chunks_by_index_with_probs"]
+__all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]

@@ -1,9 +1,5 @@
-"""TE's Fp8Padding / Fp8Unpadding (pad each expert's tokens for grouped FP8 GEMMs): import-only."""
-import torch
-
-from transformer_engine.pytorch._missing import missing_class
-
-Fp8Padding = missing_class("Fp8Padding", "Fp8Padding (MoE token padding)", torch.nn.Module)
-Fp8Unpadding = missing_class("Fp8Unpadding", "Fp8Unpadding (MoE token padding)", torch.nn.Module)
+"""TE's Fp8Padding (pad each expert's rows for grouped FP8 GEMMs): te_parallel's. Fp8Unpadding is also
+importable from here, as the package's own __init__ does."""
+from te_parallel import Fp8Padding, Fp8Unpadding
 
 __all__ = ["Fp8Padding", "Fp8Unpadding"]

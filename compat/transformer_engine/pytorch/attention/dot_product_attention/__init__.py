@@ -2,8 +2,8 @@
 
 As in TE, `attention_mask` is ignored for the mask types that need none ("no_mask", "causal",
 "causal_bottom_right"): Megatron passes its causal mask with attn_mask_type="causal".
-Context parallelism (`cp_group` of more than one rank), FP8 attention (recipes' fp8_dpa), non-vanilla
-softmax, `return_max_logit`, ALiBi and KV caches raise NotImplementedError; packed sequences
+Context parallelism (`cp_group`, `cp_comm_type`, ...) is te_parallel's. FP8 attention (recipes' fp8_dpa),
+non-vanilla softmax, `return_max_logit`, ALiBi and KV caches raise NotImplementedError; packed sequences
 (`cu_seqlens_*`, `max_seqlen_*`, qkv_format="thd") go to te_parallel's attention where it takes them.
 
 `_attention_backends` is TE's cache of its backend choice, kept for the code that reads or resets it;
@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 
 import te_parallel
-from te_parallel.parallel.groups import group_size
 
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule, split_te_kwargs
 
@@ -63,23 +62,11 @@ class DotProductAttention(TransformerEngineBaseModule, te_parallel.DotProductAtt
         self.softmax_type = softmax_type
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
-    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
-                                   cp_comm_type: str = "p2p") -> None:
-        """Keep the context-parallel group (TE's API); a group of more than one rank fails at forward."""
-        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = (cp_group, cp_global_ranks,
-                                                                                  cp_stream, cp_comm_type)
-
-    def _check_cp(self) -> None:
-        if self.cp_group is not None and group_size(self.cp_group) > 1:
-            raise NotImplementedError(f"DotProductAttention: context parallelism (cp_group of {group_size(self.cp_group)} "
-                                      f"ranks) is not implemented in te_parallel; use context_parallel_size=1")
-
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 attention_mask=None, qkv_format: Optional[str] = None, attn_mask_type: Optional[str] = None,
                 window_size=None, checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True, inference_params=None,
                 fp8_output: bool = False, num_splits=None, **packed):
-        self._check_cp()
         self._note_region()
         for name, value in (("alibi_slopes", alibi_slopes), ("inference_params", inference_params)):
             if value is not None:
