@@ -117,7 +117,8 @@ class TransformerLayer(nn.Module):
                                  f"activation='swiglu'")
             self.layernorm_mlp = LayerNormMoE(
                 hidden_size, ffn_hidden_size, moe, eps=layernorm_epsilon, normalization=normalization,
-                zero_centered_gamma=zero_centered_gamma, return_layernorm_output=apply_residual_connection_post_layernorm,
+                zero_centered_gamma=zero_centered_gamma,
+                return_layernorm_output=apply_residual_connection_post_layernorm,
                 sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=self.tp_size, ep_group=ep_group,
                 params_dtype=params_dtype, device=device, init_method=init_method,
                 output_layer_init_method=output_layer_init_method)

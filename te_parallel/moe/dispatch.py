@@ -18,7 +18,7 @@ experts (rank j holds experts [j·G, (j+1)·G)):
 Without expert parallelism nothing is read on the host: T·k is the permuted row count (every token goes to
 exactly k experts; no token is dropped) and the per-expert counts stay on the device. With it, the
 all-to-all's split sizes must be host numbers (torch.distributed takes lists): one read per forward, of
-2·ep + ep·G integers, right after the counts' all-to-all. The backward reuses them.
+2·ep + G integers, right after the counts' all-to-all. The backward reuses them.
 """
 from __future__ import annotations
 

@@ -36,7 +36,6 @@ from te_parallel.ops.activation import apply_activation
 from te_parallel.parallel.sharding import ShardLayout, split_layout
 
 
-
 @dataclass(frozen=True)
 class ExpertRows:
     """How the rows of the local experts' input divide among them (rows sorted by local expert).
@@ -58,7 +57,8 @@ def fp8_row_alignment() -> int:
     return align_size_for_recipe(frame.recipe)
 
 
-def pad_rows(x: torch.Tensor, rows: ExpertRows, align: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def pad_rows(x: torch.Tensor, rows: ExpertRows,
+             align: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x_padded [rows_padded, h], m_splits of x_padded [G] on the device, index [rows]: the padded row of each
     row, or None when x is returned as it is). The module docstring has the two layouts. Autograd: index_copy /
     index_select."""

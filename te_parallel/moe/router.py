@@ -154,7 +154,8 @@ def check_router_args(owner: str, num_experts: int, topk: int, score_function: s
             raise ValueError(f"{owner}: group_topk={group_topk!r} must be in [1, num_groups={num_groups}] and divide "
                              f"topk={topk}, with topk/group_topk <= {per_group} experts per group")
     if not (isinstance(aux_loss_coeff, (int, float)) and aux_loss_coeff >= 0):
-        raise ValueError(f"{owner}: aux_loss_coeff={aux_loss_coeff!r} must be a number >= 0 (0: no load-balancing loss)")
+        raise ValueError(f"{owner}: aux_loss_coeff={aux_loss_coeff!r} must be a number >= 0 (0: no load-balancing "
+                         f"loss)")
     if router_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{owner}: router_dtype must be torch.float32, torch.bfloat16, torch.float16 or None (the "
                          f"parameters' dtype), got {router_dtype}")
