@@ -57,6 +57,13 @@ MISTAKES = {
     "kv heads not dividing heads": (["--arch", "llama", "--heads", "4", "--kv-heads", "3"],
                                     "--kv-heads 3 must divide --heads 4 and be a multiple of --tp"),
     "kv heads without llama": (["--kv-heads", "2"], "--kv-heads 2 is for --arch llama"),
+    "tp x cp does not divide the processes": (["--nproc", "2", "--tp", "2", "--cp", "2"],
+                                              "--tp 2 x --cp 2 = 4 does not divide the 2 processes"),
+    "sequence not in 2 x cp chunks": (["--tp", "1", "--cp", "2", "--seq-len", "62"],
+                                      "--seq-len 62 is not divisible by 2 x --cp 2 = 4"),
+    "a2a heads over the cp ranks": (["--nproc", "8", "--tp", "2", "--cp", "4", "--cp-comm", "a2a"],
+                                    "--cp-comm a2a spreads each TP rank's --heads 4 / --tp 2 = 2 attention heads"),
+    "cp comm without cp": (["--cp-comm", "all_gather"], "--cp-comm all_gather is for context parallelism"),
 }
 if not torch.cuda.is_available():
     MISTAKES["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")

@@ -13,7 +13,8 @@ Forward, dgrad and wgrad use the same three numbers. FP8 GEMMs need in and out f
 multiples of 16: H/T, F/T and 256/T (H and 3H/T follow from H/T). Any M runs (the GEMM zero-pads a
 token count that is not a multiple of 16), except with --overlap, which cuts each GEMM into the TP
 ranks' pieces of M/T tokens, each a GEMM of its own: M/T must be a multiple of 16. Without FP8 only the
-divisibility rules hold.
+divisibility rules hold. Under context parallelism (--cp C) a rank holds --seq-len / C positions of each
+sequence (2 of its 2·C chunks), and M is --seq-len / C x --micro-batch.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def check_numbers(args) -> None:
     """Counts and rates that must be positive (or in range)."""
     positive = ["layers", "hidden", "heads", "seq_len", "micro_batch", "steps", "eval_every", "eval_batches",
                 "save_every"]
-    positive += [n for n in ("ffn", "tp", "nproc", "stop_after") if getattr(args, n) is not None]
+    positive += [n for n in ("ffn", "tp", "cp", "nproc", "stop_after") if getattr(args, n, None) is not None]
     for name in positive:
         value = getattr(args, name)
         if value < 1:
@@ -174,31 +175,39 @@ def _ffn_fp8_ok(args, tp: int, ffn: int) -> bool:
 
 
 def _tokens_ok(args, tp: int, seq_len: int, micro_batch: int) -> bool:
+    cp = getattr(args, "cp", 1)
+    if cp > 1 and seq_len % (2 * cp):  # (context parallelism: 2·cp equal chunks of every sequence)
+        return False
+    local = seq_len // cp  # positions of a sequence on each CP rank
     sp = args.sequence_parallel and tp > 1
-    if sp and seq_len % tp:
+    if sp and local % tp:
         return False
     if args.fp8 == "off":
         return True
-    tokens = seq_len * micro_batch  # (a plain FP8 GEMM takes any token count; overlap's pieces do not)
+    tokens = local * micro_batch  # (a plain FP8 GEMM takes any token count; overlap's pieces do not)
     return not args.overlap or (tokens // tp) % FP8_MULTIPLE == 0
 
 
 def check_tokens(args, tp: int) -> None:
     """--seq-len and --micro-batch: sequence parallelism splits the sequence; FP8 GEMMs see the tokens."""
-    s, b = args.seq_len, args.micro_batch
+    s, b, cp = args.seq_len, args.micro_batch, getattr(args, "cp", 1)
     seqs = _or_list("--seq-len", nearby(s, lambda v: _tokens_ok(args, tp, v, b)))
     batches = nearby(b, lambda v: _tokens_ok(args, tp, s, v))
     either = _options(_or_list("--micro-batch", batches) if batches else "", seqs)
-    if args.sequence_parallel and tp > 1 and s % tp:
-        raise CliError(f"--seq-len {s} is not divisible by --tp {tp}, which sequence parallelism needs (each rank "
-                       f"keeps seq-len/tp positions between the layers); "
+    if cp > 1 and s % (2 * cp):
+        raise CliError(f"--seq-len {s} is not divisible by 2 x --cp {cp} = {2 * cp}: context parallelism cuts every "
+                       f"sequence into 2 x cp equal chunks, two per rank; use {seqs}")
+    per_cp = f" / --cp {cp}" if cp > 1 else ""
+    if args.sequence_parallel and tp > 1 and (s // cp) % tp:
+        raise CliError(f"--seq-len {s}{per_cp} is not divisible by --tp {tp}, which sequence parallelism needs (each "
+                       f"rank keeps seq-len{'/cp' if cp > 1 else ''}/tp positions between the layers); "
                        f"use {_options(seqs, '--no-sequence-parallel')}")
     if args.fp8 == "off":
         return
-    tokens = s * b
+    tokens = s // cp * b
     if args.overlap and (tokens // tp) % FP8_MULTIPLE:
-        raise CliError(f"--overlap cuts each FP8 GEMM into the TP ranks' pieces of --seq-len {s} x --micro-batch {b} "
-                       f"/ --tp {tp} = {tokens // tp} tokens, which must be a multiple of 16; use "
+        raise CliError(f"--overlap cuts each FP8 GEMM into the TP ranks' pieces of --seq-len {s}{per_cp} x "
+                       f"--micro-batch {b} / --tp {tp} = {tokens // tp} tokens, which must be a multiple of 16; use "
                        f"{_options(either, 'drop --overlap')}")
 
 
@@ -210,6 +219,32 @@ def check_overlap(args, tp: int) -> None:
                        f"use --tp 2 or more, or drop --overlap")
     if not args.sequence_parallel:
         raise CliError("--overlap needs sequence parallelism; drop --no-sequence-parallel (or --overlap)")
+
+
+def check_cp(args, tp: int, world: int, what: str, can_add: bool) -> None:
+    """--cp and --cp-comm against the processes, the heads and the other flags (the sequence length:
+    check_tokens)."""
+    cp, comm = getattr(args, "cp", 1), getattr(args, "cp_comm", "p2p")
+    if cp == 1:
+        if comm != "p2p":
+            raise CliError(f"--cp-comm {comm} is for context parallelism; add --cp N (e.g. --cp 2) or drop --cp-comm")
+        return
+    if world % (tp * cp):
+        more = f", or --nproc {tp * cp * (world // (tp * cp) + 1)}" if can_add else ""
+        # (check_tp has seen tp divide world) the cp sizes that split the processes and the sequence
+        fits = [c for c in range(1, world // tp + 1) if (world // tp) % c == 0
+                and (c == 1 or args.seq_len % (2 * c) == 0 and (args.seq_len // c) % tp == 0)]
+        raise CliError(f"--tp {tp} x --cp {cp} = {tp * cp} does not divide the {world} processes ({what}); use "
+                       f"{_or_list('--cp', fits[-3:])}{more}")
+    heads = args.heads // tp
+    if comm == "a2a" and heads % cp:
+        raise CliError(f"--cp-comm a2a spreads each TP rank's --heads {args.heads} / --tp {tp} = {heads} attention "
+                       f"heads over the --cp {cp} ranks, which must divide them; use --cp-comm p2p or all_gather")
+    if comm == "p2p" and args.dropout > 0:
+        raise CliError(f"--dropout {args.dropout} under --cp {cp}: the p2p ring has no attention dropout; use "
+                       f"--cp-comm all_gather or a2a, or --dropout 0")
+    if getattr(args, "ep", 1) > 1:
+        raise CliError(f"--ep {args.ep} and --cp {cp} together are not supported; use --ep 1 or --cp 1")
 
 
 def check_data(args) -> None:
@@ -238,6 +273,7 @@ def check_tools(args) -> None:
 def check_sizes(args, tp: int, world: int, world_fixed: bool, what: str, can_add: bool) -> None:
     """All size checks, in the order a user most likely wants to hear about them."""
     check_tp(args, tp, world, world_fixed, what, can_add)
+    check_cp(args, tp, world, what, can_add)
     check_model(args, tp, world if world_fixed else None)
     check_overlap(args, tp)
     check_tokens(args, tp)

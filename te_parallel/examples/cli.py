@@ -12,6 +12,7 @@ import sys
 DEFAULT_OUT = "runs/gpt"
 RECIPE_NAMES = ("off", "delayed", "current", "block")
 DP_ENGINES = ("fsdp2", "ddp")  # data_parallel.py builds them
+CP_COMMS = ("p2p", "all_gather", "a2a")  # the attention modules' cp_comm_type
 WARMUP_DEFAULT = 30  # the most warmup steps by default: a tenth of --steps, at most this
 
 
@@ -46,8 +47,16 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size: processes that split every layer; must divide the number of processes "
                         "and --heads (default: 2; 1 when the run has a single GPU)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: processes that split every sequence (each holds 2 of its 2 x cp "
+                        "chunks; only the attention exchanges keys and values); --tp x --cp must divide the "
+                        "processes and 2 x --cp the --seq-len")
+    g.add_argument("--cp-comm", choices=CP_COMMS, default="p2p",
+                   help="--cp: how the attention exchanges keys and values: p2p (a ring), all_gather, or a2a "
+                        "(all-to-all trading heads for sequence; needs --heads / --tp divisible by --cp)")
     g.add_argument("--dp-engine", choices=DP_ENGINES, default="fsdp2",
-                   help="how the data-parallel replicas (processes / --tp of them) share the work: fsdp2 shards "
+                   help="how the data-parallel replicas (processes / --tp of them, with --cp: their cp ranks "
+                        "counted, each seeing other tokens) share the work: fsdp2 shards "
                         "parameters, gradients and optimizer state over them (PyTorch's fully_shard on every "
                         "transformer block), ddp keeps whole replicas and all-reduces the gradients "
                         "(DistributedDataParallel); no effect with one replica")
@@ -82,6 +91,17 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=None,
                    help="--arch llama: key/value heads, a divisor of --heads (default: --heads)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability of attention and hidden states")
+    # (MoE)
+    g.add_argument("--experts", type=int, default=0,
+                   help="Mixture of Experts: each layer's MLP becomes a router and this many SwiGLU experts of --ffn "
+                        "units (no biases), --topk of them per token; 0: dense MLPs")
+    g.add_argument("--topk", type=int, default=None, help="--experts: experts per token (default: 2)")
+    g.add_argument("--aux-loss-coeff", type=float, default=1e-2,
+                   help="--experts: coefficient of the load-balancing loss added to the training loss")
+    g.add_argument("--ep", type=int, default=1,
+                   help="--experts: expert-parallel size, consecutive data-parallel replicas that split the experts "
+                        "and exchange tokens by all-to-all; must divide the replicas (processes / --tp) and --experts; "
+                        "needs --dp-engine fsdp2, and runs without checkpoints")
 
 
 def _training_flags(ap: argparse.ArgumentParser) -> None:

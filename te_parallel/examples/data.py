@@ -3,7 +3,8 @@
 Byte-level tokens (vocabulary 256). The corpus is the sorted stdlib *.py files concatenated up to
 `max_bytes`; the last `val_fraction` of it is the held-out validation split (fixed, never trained on).
 Training windows are drawn at random offsets from a torch.Generator that the checkpoint saves, so a
-resumed run sees exactly the batches the uninterrupted one would.
+resumed run sees exactly the batches the uninterrupted one would. Under context parallelism every rank of a
+CP group draws the same windows and keeps its load-balanced chunks of them (cp_rank, cp_size).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
+
+from te_parallel.parallel.context_parallel import shard_sequence
 
 VOCAB = 256
 VAL_FRACTION = 0.05
@@ -42,7 +45,11 @@ def load_corpus(max_bytes: int, sources: Optional[List[Tuple[int, str]]] = None)
 
 
 class ByteData:
-    def __init__(self, max_bytes: int, seq_len: int, val_fraction: float = VAL_FRACTION) -> None:
+    def __init__(self, max_bytes: int, seq_len: int, val_fraction: float = VAL_FRACTION, *, cp_rank: int = 0,
+                 cp_size: int = 1) -> None:
+        """cp_rank, cp_size: this rank's place in its CP group; the batches then hold its seq_len/cp_size
+        positions of each window (chunks cp_rank and 2·cp_size−1−cp_rank of 2·cp_size)."""
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         sources: List[Tuple[int, str]] = []
         tokens = load_corpus(max_bytes, sources)
         split = int(len(tokens) * (1 - val_fraction))
@@ -59,7 +66,7 @@ class ByteData:
         return f"{files[0]} … {files[-1]} ({len(files)} files)"
 
     def batch(self, gen: torch.Generator, batch: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Random windows: ids and next-byte targets, both [seq, batch] (the layers' "sbhd" layout)."""
+        """Random windows: ids and next-byte targets, both [seq(/cp), batch] (the layers' "sbhd" layout)."""
         starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch,), generator=gen)
         return self._windows(self.train, starts, device)
 
@@ -72,4 +79,7 @@ class ByteData:
     def _windows(self, src: torch.Tensor, starts: torch.Tensor, device):
         idx = starts.view(1, -1) + torch.arange(self.seq_len + 1).view(-1, 1)  # [s+1, b]
         w = src[idx]
-        return w[:-1].to(device), w[1:].to(device)
+        ids, targets = w[:-1], w[1:]  # [s, b]: a position's target is the next byte, so both shard alike
+        if self.cp_size > 1:
+            ids, targets = (shard_sequence(t, 0, self.cp_rank, self.cp_size) for t in (ids, targets))  # [s/cp, b]
+        return ids.to(device), targets.to(device)

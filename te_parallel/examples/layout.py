@@ -87,11 +87,12 @@ def _launched(args, launch: Launch, ngpu: int) -> Layout:
                        f"start one process per GPU (e.g. torchrun --nproc-per-node={max(ngpu, 1)})")
     if args.device == "auto" and 0 < ngpu < local:
         notes.append(f"{local} processes on this machine and {ngpu} GPU(s): training on the CPU")
-    tp = args.tp
+    tp, cp = args.tp, getattr(args, "cp", 1)
     if tp is None:
-        tp = DEFAULT_TP if world % DEFAULT_TP == 0 else 1
+        tp = DEFAULT_TP if world % (DEFAULT_TP * cp) == 0 else 1
         if tp != DEFAULT_TP:
-            notes.append(f"--tp 1: the default --tp {DEFAULT_TP} does not divide {world} process(es)")
+            with_cp = f" x --cp {cp}" if cp > 1 else ""
+            notes.append(f"--tp 1: the default --tp {DEFAULT_TP}{with_cp} does not divide {world} process(es)")
     return Layout("cuda" if cuda else "cpu", world, tp, True, f"{launch.world_var or 'the launcher'}", False,
                   ngpu, notes)
 
@@ -103,22 +104,25 @@ def _started(args, ngpu: int) -> Layout:
     if cuda and args.nproc is not None and args.nproc > ngpu:
         raise CliError(f"--nproc {args.nproc} needs {args.nproc} GPUs (one process per GPU), and this machine has "
                        f"{ngpu}; use --nproc {ngpu}, or --device cpu for {args.nproc} processes on the CPU")
-    tp = args.tp
+    tp, cp = args.tp, getattr(args, "cp", 1)  # (the processes come in groups of tp x cp)
+    with_cp = f" x --cp {cp}" if cp > 1 else ""
     if tp is None:
         tp = DEFAULT_TP
-        fixed = args.nproc if args.nproc is not None else (room if room is not None and room < DEFAULT_TP else None)
-        if fixed is not None and fixed % DEFAULT_TP:
+        unit = DEFAULT_TP * cp
+        fixed = args.nproc if args.nproc is not None else (room if room is not None and room < unit else None)
+        if fixed is not None and fixed % unit:
             tp = 1
-            notes.append(f"--tp 1: the default --tp {DEFAULT_TP} does not fit "
+            notes.append(f"--tp 1: the default --tp {DEFAULT_TP}{with_cp} does not fit "
                          + (f"--nproc {args.nproc}" if args.nproc is not None else f"{ngpu} GPU"))
-    if cuda and tp > ngpu:
-        raise CliError(f"--tp {tp} needs {tp} GPUs (one process per GPU), and this machine has {ngpu}; "
-                       f"use --tp {max(t for t in (1, 2, 4, 8) if t <= ngpu)}, or --device cpu")
+    if cuda and tp * cp > ngpu:
+        fix = f"--tp {max(t for t in (1, 2, 4, 8) if t <= ngpu)}" if cp == 1 else "a smaller --tp or --cp"
+        raise CliError(f"--tp {tp}{with_cp} needs {tp * cp} GPUs (one process per GPU), and this machine has {ngpu}; "
+                       f"use {fix}, or --device cpu")
     nproc = args.nproc
     if nproc is None:
-        nproc = ngpu // tp * tp if cuda else max(2, tp)
+        nproc = ngpu // (tp * cp) * tp * cp if cuda else max(2, tp * cp)
         if cuda and nproc < ngpu:
-            notes.append(f"using {nproc} of the {ngpu} GPUs, a multiple of --tp {tp}")
+            notes.append(f"using {nproc} of the {ngpu} GPUs, a multiple of --tp {tp}{with_cp}")
     what = f"--nproc {nproc}" if args.nproc is not None else f"{nproc} by default"
     return Layout("cuda" if cuda else "cpu", nproc, tp, args.nproc is not None or cuda, what,
                   not cuda or nproc < ngpu, ngpu, notes)
@@ -164,7 +168,9 @@ def describe(args, layout: Layout) -> str:
     fp8 = f"fp8 {args.fp8}" if args.fp8 != "off" else "no fp8"
     extra = f" ({'; '.join(layout.notes)})" if layout.notes else ""
     overlap = ", comm-GEMM overlap" if args.overlap else ""
-    dp = layout.nproc // layout.tp
-    engine = f" ({args.dp_engine})" if dp > 1 else ""
-    return (f"train_gpt: {procs} on {where}: tp={layout.tp} dp={dp}{engine}, {sp}{overlap}, {fp8}, "
+    cp = getattr(args, "cp", 1)
+    dp = layout.nproc // (layout.tp * cp)
+    engine = f" ({args.dp_engine})" if dp * cp > 1 else ""
+    cp_part = f" cp={cp} ({args.cp_comm})" if cp > 1 else ""
+    return (f"train_gpt: {procs} on {where}: tp={layout.tp}{cp_part} dp={dp}{engine}, {sp}{overlap}, {fp8}, "
             f"{precision}{extra}")

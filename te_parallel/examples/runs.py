@@ -19,13 +19,15 @@ METADATA = ".metadata"  # DCP's index of the saved tensors
 LEGACY = "rank0.pt"  # the one-file-per-process format of earlier versions of this trainer
 # sizes a checkpoint can only be loaded with (the heads would load but mean other weights)
 SIZE_FLAGS = {"layers": "--layers", "hidden": "--hidden", "heads": "--heads", "ffn": "--ffn", "tp": "--tp",
-              "world": "--nproc", "arch": "--arch", "kv_heads": "--kv-heads"}
+              "world": "--nproc", "arch": "--arch", "kv_heads": "--kv-heads", "experts": "--experts", "topk": "--topk",
+              "cp": "--cp"}
 # what a checkpoint written before a size flag existed was made with
-SIZE_DEFAULTS = {"arch": "gpt", "kv_heads": None}
+SIZE_DEFAULTS = {"arch": "gpt", "kv_heads": None, "experts": 0, "topk": None, "cp": 1}
 # settings that load under any value, but the run then differs from the uninterrupted one
 SETTING_FLAGS = {"fp8": "--fp8", "sequence_parallel": "--sequence-parallel", "seq_len": "--seq-len",
                  "micro_batch": "--micro-batch", "corpus_bytes": "--corpus-bytes", "seed": "--seed", "lr": "--lr",
-                 "warmup": "--warmup", "steps": "--steps", "dropout": "--dropout", "clip_grad": "--clip-grad"}
+                 "warmup": "--warmup", "steps": "--steps", "dropout": "--dropout", "clip_grad": "--clip-grad",
+                 "aux_loss_coeff": "--aux-loss-coeff", "cp_comm": "--cp-comm"}
 
 
 def holds_run(path) -> bool:

@@ -1,16 +1,19 @@
-"""Train a byte-level GPT on Python's standard library with tensor (+sequence) and data parallelism, in FP8.
+"""Train a byte-level GPT on Python's standard library with tensor (+sequence), context and data parallelism,
+in FP8.
 
     python examples/train_gpt.py                      # the GPUs (one process each), else 2 CPU processes
     torchrun --nproc-per-node=8 examples/train_gpt.py --tp 4 --layers 6 --hidden 512 --steps 2000
     NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NPROC=8 launch/torchrun.sh examples/train_gpt.py
     sbatch launch/slurm.sbatch examples/train_gpt.py --tp 8
     NP=2 launch/mpirun.sh examples/train_gpt.py --tp 2
+    python examples/train_gpt.py --device cpu --tp 1 --cp 2 --seq-len 256   # each sequence split over 2 ranks
 
 Without a launcher it starts the processes itself: one per GPU, or 2 on the CPU (--nproc). The
-processes form a 2-D mesh ("dp", "tp") of dp = world / tp rows: te_parallel's TP (+SP) inside each
-row, PyTorch's FSDP2 (or DDP, --dp-engine) across the rows. It prints one line with the layout it
-chose, trains with a progress bar, prints tokens/s and MFU, and ends with a line naming every file
-it wrote: <out>/log.json (config, per-step loss, tokens/s, MFU, validation loss), <out>/loss.png,
+processes form a mesh ("dp", "cp", "tp") of dp = world / (tp·cp) replicas: te_parallel's TP (+SP) inside
+each TP group, each sequence split over the cp ranks of a replica (context parallelism, --cp), PyTorch's
+FSDP2 (or DDP, --dp-engine) across the dp x cp ranks, which all see different tokens. It prints one
+line with the layout it chose, trains with a progress bar, prints tokens/s and MFU, and ends with a line
+naming every file it wrote: <out>/log.json (config, per-step loss, tokens/s, MFU, validation loss), <out>/loss.png,
 and with --save DIR a torch.distributed.checkpoint that --resume DIR continues exactly.
 """
 from __future__ import annotations
@@ -51,10 +54,40 @@ def prepare(args, launch: Launch):
     args.tp, args.nproc, args.device = layout.tp, layout.nproc, layout.device
     args.ffn = args.ffn or 4 * args.hidden
     check_sizes(args, layout.tp, layout.nproc, layout.world_fixed, layout.what, layout.can_add)
-    notes = check_resume(args, layout.nproc, launch.launched)
+    moe_note = check_moe(args, layout.nproc // layout.tp)
+    notes = check_resume(args, layout.nproc, launch.launched) + ([moe_note] if moe_note else [])
     out_note = choose_out(args)
     choose_save(args)
     return layout, notes + ([out_note] if out_note else [])
+
+
+def check_moe(args, dp: int) -> Optional[str]:
+    """(MoE) --experts, --topk, --aux-loss-coeff and --ep against each other and the dp replicas; settles --topk;
+    returns the line that describes the MoE layers (None for dense ones)."""
+    if args.experts == 0:
+        for flag, value, default in (("--topk", args.topk, None), ("--ep", args.ep, 1)):
+            if value != default:
+                raise CliError(f"{flag} {value} is for MoE layers; add --experts N (e.g. --experts 8)")
+        return None
+    if args.experts < 2:
+        raise CliError(f"--experts {args.experts} must be at least 2 (or 0 for dense MLPs)")
+    args.topk = 2 if args.topk is None else args.topk
+    if not 1 <= args.topk <= args.experts:
+        raise CliError(f"--topk {args.topk} must be between 1 and --experts {args.experts}")
+    if not (math.isfinite(args.aux_loss_coeff) and args.aux_loss_coeff >= 0):
+        raise CliError(f"--aux-loss-coeff {args.aux_loss_coeff} must be a number >= 0 (0: no load-balancing loss)")
+    if args.ep < 1 or dp % args.ep or args.experts % args.ep:
+        raise CliError(f"--ep {args.ep} must divide the {dp} data-parallel replica(s) (processes / --tp) and "
+                       f"--experts {args.experts}; use --ep 1")
+    if args.ep > 1 and args.dp_engine != "fsdp2":
+        raise CliError(f"--ep {args.ep} needs --dp-engine fsdp2 (the experts are sharded over the replicas that "
+                       f"hold them); drop --dp-engine {args.dp_engine} or use --ep 1")
+    if args.ep > 1 and (args.save or args.resume or args.stop_after is not None):
+        raise CliError(f"--ep {args.ep}: expert-parallel runs do not write or read checkpoints (--save, --resume, "
+                       f"--stop-after); drop those flags or use --ep 1")
+    where = f", split over ep={args.ep} replicas" if args.ep > 1 else ""
+    return (f"MoE: experts={args.experts} topk={args.topk} per layer{where}, load-balancing loss x "
+            f"{args.aux_loss_coeff:g}")
 
 
 def lr_at(step: int, args) -> float:
@@ -76,6 +109,7 @@ class StepResult:
 
     loss: float
     grad_norm: float
+    aux_loss: Optional[float] = None  # (MoE) the load-balancing loss added to the loss for the gradients
 
 
 class Trainer:
@@ -85,21 +119,28 @@ class Trainer:
         self.tracker = CudaRNGStatesTracker(device=world.device.type)
         model_parallel_seed(self.tracker, args.seed, tp_rank=world.tp_rank)
         cfg = GPTConfig(VOCAB, args.layers, args.hidden, args.heads, args.ffn, args.seq_len, args.dropout,
-                        getattr(args, "arch", "gpt"), getattr(args, "kv_heads", None) or 0)
+                        getattr(args, "arch", "gpt"), getattr(args, "kv_heads", None) or 0,
+                        args.experts, args.topk or 2, args.aux_loss_coeff)
+        self.ep_mesh = expert_mesh(world, args.ep)
         self.ub = None
-        if args.overlap:  # buffers for the largest exchange: [s·b tokens, hidden]
+        if args.overlap:  # buffers for the largest exchange: [s/cp·b tokens, hidden]
             dtype = torch.bfloat16 if world.device.type == "cuda" and (args.precision or "bf16") == "bf16" else torch.float32
-            self.ub = te.initialize_ub([args.seq_len * args.micro_batch, args.hidden], world.tp_group,
+            self.ub = te.initialize_ub([args.seq_len // world.cp * args.micro_batch, args.hidden], world.tp_group,
                                        use_fp8=RECIPES[args.fp8] is not None, dtype=dtype)
-        gpt = GPT(cfg, world.tp_mesh, args.sequence_parallel, self.tracker, device=world.device, ub_comm=self.ub)
+        gpt = GPT(cfg, world.tp_mesh, args.sequence_parallel, self.tracker, device=world.device, ub_comm=self.ub,
+                  ep_group=None if self.ep_mesh is None else self.ep_mesh["ep"], cp_group=world.cp_group,
+                  cp_comm_type=args.cp_comm)
         gpt.init_like_single_rank(args.seed)
+        if self.ep_mesh is not None:  # (MoE) before the data-parallel engine sees the layers
+            shard_experts(gpt, self.ep_mesh["edp"], world.dp)
         self.recipe = RECIPES[args.fp8]() if RECIPES[args.fp8] else None
         self.flops_per_step = (flops_per_token(gpt.matmul_params(), args.layers, args.hidden, args.seq_len)
                                * args.seq_len * args.micro_batch * world.dp)
         self.model = apply_data_parallel(gpt, world, args.dp_engine)  # before the optimizer sees the parameters
         self.opt = make_optimizer(self.model.parameters(), args)
-        self.data = ByteData(args.corpus_bytes, args.seq_len)
-        self.gen = torch.Generator().manual_seed(args.seed * 1000 + world.dp_rank)  # same batch within a TP group
+        self.data = ByteData(args.corpus_bytes, args.seq_len, cp_rank=world.cp_rank, cp_size=world.cp)
+        # the same batch within a TP and a CP group (a CP rank keeps its chunks of it)
+        self.gen = torch.Generator().manual_seed(args.seed * 1000 + world.dp_rank)
         self.val = self.data.val_batches(args.eval_batches, args.micro_batch, world.device)
         self.step, self.log = 0, []
         self.precision = args.precision or ("bf16" if world.device.type == "cuda" else "fp32")
@@ -118,17 +159,21 @@ class Trainer:
             g["lr"] = lr_at(self.step, self.args)
         ids, targets = self.data.batch(self.gen, self.args.micro_batch, self.world.device)
         loss = self.loss(ids, targets)
-        loss.backward()
+        aux = te.moe_aux_loss(self.model)  # (MoE) the layers' load-balancing losses; None for dense layers
+        (loss if aux is None else loss + aux).backward()
         grad_norm = self.clip_gradients()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(self.world.dp_mean(loss.detach()), grad_norm)
+        aux = None if aux is None else self.world.dp_mean(aux.detach())
+        return StepResult(self.world.dp_mean(loss.detach()), grad_norm, aux)
 
     def clip_gradients(self) -> float:
         """Scales the averaged gradients down to the global norm --clip-grad where theirs is larger
         (--clip-grad 0: leaves them as they are); returns their norm before that. The norm is the whole
         model's, the same on every rank: every TP shard and FSDP2 shard once, every whole parameter once."""
+        if self.ep_mesh is not None:  # (MoE) the experts' share of the norm is spread over the ep ranks
+            return clip_with_experts(self.model, self.args.clip_grad, self.ep_mesh["ep"].get_group()).item()
         if self.args.clip_grad == 0:
             return te.get_total_norm(self.model).item()
         return te.clip_grad_norm_(self.model, self.args.clip_grad).item()
@@ -141,8 +186,11 @@ class Trainer:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens = self.args.seq_len * self.args.micro_batch * self.world.dp
-        return {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
-                "tokens_per_s": tokens / seconds, "mfu": mfu(self.flops_per_step, seconds, self.peak, self.world.size)}
+        rec = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
+               "tokens_per_s": tokens / seconds, "mfu": mfu(self.flops_per_step, seconds, self.peak, self.world.size)}
+        if result.aux_loss is not None:
+            rec["aux_loss"] = result.aux_loss
+        return rec
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -173,6 +221,48 @@ class Trainer:
         self.step, self.log = load_checkpoint(directory, self)
 
 
+# --- (MoE) expert parallelism over the data-parallel replicas -------------------------------------------------
+def expert_mesh(world: World, ep: int):
+    """The ("edp", "ep", "tp") mesh of the world: the dp replicas in groups of ep consecutive ones ("ep": they
+    split the experts), "edp": the replicas holding the same experts. None without expert parallelism."""
+    if ep == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(world.device.type, (world.dp // ep, ep, world.tp), mesh_dim_names=("edp", "ep", "tp"))
+
+
+def shard_experts(model, edp_mesh, dp: int) -> None:
+    """fully_shard each MoE layer's experts over the replicas that hold them, the gradient divided by all dp
+    replicas: the all-to-all's backward already summed the tokens of the ep replicas into it (MoELayer's doc)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model.modules():
+        if isinstance(m, te.MoELayer):
+            fully_shard(m.experts, mesh=edp_mesh)
+            m.experts.set_gradient_divide_factor(float(dp))
+            if edp_mesh.size() > 1:  # a sum, then the division (gloo has no pre-multiplied sum); on one rank torch
+                m.experts.set_force_sum_reduction_for_comms(True)  # 2.13 would divide twice, and needs no sum
+
+
+def clip_with_experts(model, max_norm: float, ep_group) -> torch.Tensor:
+    """te.clip_grad_norm_ where each ep rank holds other experts: total² = (the model's norm² on this rank, its
+    own experts counted) − (its experts' norm²) + (the experts' norm² summed over the ep group). The total is
+    made the same on every rank (a max over the group) so that every rank scales by the same factor."""
+    experts = torch.nn.ModuleList(m.experts for m in model.modules() if isinstance(m, te.MoELayer))
+    mine = te.get_total_norm(experts).double() ** 2
+    everyone = mine.clone()
+    torch.distributed.all_reduce(everyone, group=ep_group)
+    total = (te.get_total_norm(model).double() ** 2 - mine + everyone).clamp(min=0).sqrt()
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (total.item() + 1e-6))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total.float()
+
+
 def train(args, world: World) -> list:
     t = Trainer(args, world)
     if args.resume:
@@ -180,8 +270,9 @@ def train(args, world: World) -> list:
     bar = None
     if world.rank == 0 and not args.quiet:
         from tqdm import tqdm
-        dp = f" ({args.dp_engine})" if world.dp > 1 else ""
-        bar = tqdm(total=args.steps, initial=t.step, desc=f"GPT tp={world.tp} dp={world.dp}{dp} fp8={args.fp8}")
+        dp = f" ({args.dp_engine})" if world.dp * world.cp > 1 else ""
+        cp = f" cp={world.cp}" if world.cp > 1 else ""
+        bar = tqdm(total=args.steps, initial=t.step, desc=f"GPT tp={world.tp}{cp} dp={world.dp}{dp} fp8={args.fp8}")
     stop = args.steps if args.stop_after is None else min(args.steps, t.step + args.stop_after)
     last_val = last_val_loss(t.log)  # (a resumed run's, from its checkpoint)
     while t.step < stop:
@@ -227,7 +318,8 @@ def bar_postfix(rec: dict, last_val: Optional[float]) -> dict:
 def write_log(args, world: World, t: Trainer) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = dict(vars(args)) | {"world": world.size, "tp": world.tp, "dp": world.dp, "device": str(world.device),
+    config = dict(vars(args)) | {"world": world.size, "tp": world.tp, "cp": world.cp, "dp": world.dp,
+                                 "device": str(world.device),
                                  "flops_per_step": t.flops_per_step, "peak_flops_per_device": t.peak,
                                  "mfu_precision": gemm_precision(args.fp8, t.precision)}
     if world.device.type == "cuda":
@@ -252,7 +344,8 @@ def write_outputs(args, world: World, t: Trainer) -> None:
     log, note = t.log, val_note(args, t.data)
     if not args.no_plot:
         from te_parallel.examples.plot import plot_runs
-        plot_runs({f"fp8 {args.fp8}, tp={world.tp} dp={world.dp}": log}, out / "loss.png", note=note)
+        cp = f" cp={world.cp}" if world.cp > 1 else ""
+        plot_runs({f"fp8 {args.fp8}, tp={world.tp}{cp} dp={world.dp}": log}, out / "loss.png", note=note)
     vals = [r["val_loss"] for r in log if "val_loss" in r]  # none before the first evaluation
     recent = [r["loss"] for r in log[-max(1, min(20, len(log) // 10)):]]  # the end of the run, not its start
     train_end = sum(recent) / len(recent)
@@ -266,7 +359,7 @@ def write_outputs(args, world: World, t: Trainer) -> None:
 
 
 def worker(args) -> None:
-    world = init_world(args.tp, args.device)
+    world = init_world(args.tp, args.device, args.cp)
     try:
         train(args, world)
     finally:

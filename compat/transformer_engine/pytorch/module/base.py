@@ -119,6 +119,13 @@ class TransformerEngineBaseModule:
             self.fp8_meta["fp8_checkpoint"] = True
             self.fp8_meta["fp8_group"] = frame.group
 
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE's per-forward FP8 set-up (read the autocast region, size fp8_meta). Clients call it outside a
+        forward too: Megatron's TEGroupedLinear before loading a checkpoint. Here it records the region as a
+        forward does; the FP8 state itself is te_parallel's and sized at construction."""
+        self.fp8_meta["num_gemms"] = num_gemms
+        self._note_region()
+
     # --- TE's checkpoint layout ---------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
         """TE 2.x's `_extra_state`: the FP8 state pickled as TE pickles it (empty when there is none)."""

@@ -26,10 +26,12 @@ class GroupedLinear(TransformerEngineBaseModule, te_parallel.GroupedLinear):
         self.delay_wgrad_compute = self.need_backward_dw()
 
     def _mark_tensor_parallel(self) -> None:
-        """TE's attributes: weights split on dim 0 (column) or 1 (row), column-parallel biases on dim 0."""
+        """TE's attributes: every weight marked tensor-parallel, split on dim 1 in row mode and dim 0 otherwise
+        (also with no parallel mode: Megatron builds its experts so under expert TP or EP, and its gradient norm
+        counts each rank's expert shard by this mark); column-parallel biases on dim 0."""
         mode = self.parallel_mode
         for name, param in self.named_parameters(recurse=False):
-            dim = 0 if mode == "column" else 1 if mode == "row" and name.startswith("weight") else None
+            dim = (1 if mode == "row" else 0) if name.startswith("weight") else 0 if mode == "column" else None
             if dim is not None:
                 param.tensor_model_parallel, param.partition_dim = True, dim
                 param.partition_stride = getattr(param, "partition_stride", 1)
