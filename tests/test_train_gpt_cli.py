@@ -64,6 +64,9 @@ MISTAKES = {
     "a2a heads over the cp ranks": (["--nproc", "8", "--tp", "2", "--cp", "4", "--cp-comm", "a2a"],
                                     "--cp-comm a2a spreads each TP rank's --heads 4 / --tp 2 = 2 attention heads"),
     "cp comm without cp": (["--cp-comm", "all_gather"], "--cp-comm all_gather is for context parallelism"),
+    "fp8 format without fp8": (["--fp8", "off", "--fp8-format", "e4m3"], "--fp8-format e4m3 needs an FP8 recipe"),
+    "block scales without block": (["--fp8", "current", "--fp8-block-scales", "fp32"],
+                                   "--fp8-block-scales fp32 applies to --fp8 block only, got --fp8 current"),
 }
 if not torch.cuda.is_available():
     MISTAKES["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
@@ -315,3 +318,21 @@ def test_fp8_help_states_the_rule_that_is_checked(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fp8 delayed" in result.stdout.splitlines()[0]
     assert len(json.loads((out / "log.json").read_text())["log"]) == 3
+
+
+def test_fp8_options_make_the_recipe():
+    """--fp8-format and --fp8-block-scales reach the recipe the trainer builds; without them the recipe's
+    defaults stay."""
+    from te_parallel import recipe
+    from te_parallel.examples.train_gpt import make_recipe
+
+    parse = build_parser("").parse_args
+    block = make_recipe(parse(["--fp8", "block", "--fp8-format", "hybrid", "--fp8-block-scales", "fp32"]))
+    assert isinstance(block, recipe.Float8BlockScaling) and block.fp8_format is recipe.Format.HYBRID
+    assert not any(q.power_2_scale for q in (block.fp8_quant_fwd_inp, block.fp8_quant_fwd_weight,
+                                              block.fp8_quant_bwd_grad))
+    default = make_recipe(parse(["--fp8", "block"]))
+    assert default.fp8_format is recipe.Format.E4M3 and default.fp8_quant_fwd_inp.power_2_scale
+    current = make_recipe(parse(["--fp8", "current", "--fp8-format", "e4m3"]))
+    assert isinstance(current, recipe.Float8CurrentScaling) and current.fp8_format is recipe.Format.E4M3
+    assert make_recipe(parse(["--fp8", "off"])) is None

@@ -71,6 +71,12 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
                         "not a multiple of 16 is zero-padded inside the GEMM), except under --overlap, whose pieces "
                         "of --seq-len x --micro-batch / --tp tokens must be multiples of 16 (default: delayed; off "
                         "on a GPU without FP8, compute capability below 8.9)")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="FP8 formats of the recipe: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients) "
+                        "(default: the recipe's own, hybrid for delayed and current, e4m3 for block)")
+    g.add_argument("--fp8-block-scales", choices=["pow2", "fp32"], default=None,
+                   help="--fp8 block only: round each tile's scale down to a power of two (pow2, the default, as "
+                        "TE and DeepSeek-V3) or keep it in fp32")
     g.add_argument("--overlap", action="store_true",
                    help="overlap the TP all-gathers/reduce-scatters with the GEMMs (needs --tp > 1 and sequence "
                         "parallelism; on the CPU it runs a point-to-point fallback)")

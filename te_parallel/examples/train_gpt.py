@@ -41,8 +41,32 @@ from te_parallel.examples.throughput import flops_per_token, gemm_precision, mfu
 from te_parallel.examples.world import World, destroy, init_world, run_world
 from te_parallel.parallel.random import CudaRNGStatesTracker, model_parallel_seed
 
-RECIPES = {"off": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=16),
-           "current": lambda: recipe.Float8CurrentScaling(), "block": lambda: recipe.Float8BlockScaling()}
+RECIPES = {"off": None, "delayed": lambda **kw: recipe.DelayedScaling(amax_history_len=16, **kw),
+           "current": lambda **kw: recipe.Float8CurrentScaling(**kw), "block": lambda **kw: recipe.Float8BlockScaling(**kw)}
+
+
+def make_recipe(args):
+    """The recipe of --fp8, with --fp8-format and --fp8-block-scales applied (None for --fp8 off)."""
+    make = RECIPES[args.fp8]
+    if make is None:
+        return None
+    kw = {}
+    if getattr(args, "fp8_format", None):
+        kw["fp8_format"] = recipe.Format.E4M3 if args.fp8_format == "e4m3" else recipe.Format.HYBRID
+    if getattr(args, "fp8_block_scales", None):
+        qp = recipe.QParams(power_2_scale=args.fp8_block_scales == "pow2")
+        kw.update(fp8_quant_fwd_inp=qp, fp8_quant_fwd_weight=qp, fp8_quant_bwd_grad=qp)
+    return make(**kw)
+
+
+def check_fp8_options(args) -> None:
+    """--fp8-format and --fp8-block-scales against the recipe --fp8 settled on."""
+    if getattr(args, "fp8_format", None) and args.fp8 == "off":
+        raise CliError(f"--fp8-format {args.fp8_format} needs an FP8 recipe, got --fp8 off; drop --fp8-format or "
+                       f"choose --fp8 delayed, current or block")
+    if getattr(args, "fp8_block_scales", None) and args.fp8 != "block":
+        raise CliError(f"--fp8-block-scales {args.fp8_block_scales} applies to --fp8 block only, got --fp8 {args.fp8}; "
+                       f"drop it or use --fp8 block")
 
 
 def prepare(args, launch: Launch):
@@ -52,6 +76,7 @@ def prepare(args, launch: Launch):
     check_schedule(args)
     layout = plan_layout(args, launch)
     args.tp, args.nproc, args.device = layout.tp, layout.nproc, layout.device
+    check_fp8_options(args)
     args.ffn = args.ffn or 4 * args.hidden
     check_sizes(args, layout.tp, layout.nproc, layout.world_fixed, layout.what, layout.can_add)
     moe_note = check_moe(args, layout.nproc // layout.tp)
@@ -133,7 +158,7 @@ class Trainer:
         gpt.init_like_single_rank(args.seed)
         if self.ep_mesh is not None:  # (MoE) before the data-parallel engine sees the layers
             shard_experts(gpt, self.ep_mesh["edp"], world.dp)
-        self.recipe = RECIPES[args.fp8]() if RECIPES[args.fp8] else None
+        self.recipe = make_recipe(args)
         self.flops_per_step = (flops_per_token(gpt.matmul_params(), args.layers, args.hidden, args.seq_len)
                                * args.seq_len * args.micro_batch * world.dp)
         self.model = apply_data_parallel(gpt, world, args.dp_engine)  # before the optimizer sees the parameters
