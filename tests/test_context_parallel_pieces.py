@@ -1,8 +1,12 @@
 """Context parallelism's single-process pieces: the load-balanced layout (shard / unshard, positions, packed
 sequences), the chunk orders the collectives use, attention of one block with its log-sum-exp against
 full softmax, the LSE merge and the per-block backward with the merged statistics, and the one-line errors.
+Then the ring's per-rank schedule run on one device (what benchmarks/bench_cp.py times) against the real
+ring, its ranks in threads with mailboxes in place of the process group.
 The collectives and the comm types against one process: tests/distributed/test_context_parallel.py."""
 import math
+import queue
+import threading
 
 import pytest
 import torch
@@ -11,7 +15,8 @@ import te_parallel as te
 from te_parallel.ops.attention_lse import BlockMask, block_backward, block_forward, merge
 from te_parallel.parallel import context_parallel as cpm
 from te_parallel.parallel.cp_comm import ChunkOrder, packed_order
-from te_parallel.parallel.cp_ring import PackedChunks
+from te_parallel.parallel import cp_ring
+from te_parallel.parallel.cp_ring import DenseChunks, PackedChunks, RankSchedule, Ring, rank_backward, rank_forward
 from tests.attention_reference import te_mask
 
 
@@ -206,3 +211,159 @@ def test_no_group_changes_nothing():
     layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0)
     layer.set_context_parallel_group(None, None, None, "p2p")
     assert layer.self_attention.core_attention.cp_config is None
+
+
+# -- one rank's share of the ring on one device, against the ring ------------------------------------------
+
+class _Mailboxes:
+    """The ring's transport for ranks in threads of one process: a send lands in the next peer's box (per tag),
+    and the work handed back copies the rank's own next message into its receive buffer on wait()."""
+
+    def __init__(self, size: int) -> None:
+        self.boxes = {(r, tag): queue.Queue() for r in range(size) for tag in (0, 1)}
+
+    def exchange(self, send, recv, ring, tag):
+        self.boxes[(ring.next_peer, tag)].put(send.clone())
+        box = self.boxes[(ring.rank, tag)]
+        return [type("Arrival", (), {"wait": lambda self_: recv.copy_(box.get(timeout=120))})()]
+
+
+class _Recorder:
+    """block_forward / block_backward as the ring calls them, each call's tensors and mask kept per rank."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls, self.here = {}, threading.local()
+        for name in ("block_forward", "block_backward"):
+            monkeypatch.setattr(cp_ring, name, self._wrap(name, getattr(cp_ring, name)))
+
+    def _wrap(self, name, fn):
+        def call(*args):
+            mask = args[-2]
+            self.calls.setdefault(self.here.rank, []).append(
+                (name, [a.clone() for a in args if isinstance(a, torch.Tensor)], mask))
+            return fn(*args)
+        return call
+
+
+def _same_mask(a, b) -> bool:
+    same = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))  # noqa: E731
+    return (a.left, a.right, a.max_q, a.max_kv) == (b.left, b.right, b.max_q, b.max_kv) and \
+        same(a.cu_q, b.cu_q) and same(a.cu_kv, b.cu_kv)
+
+
+def _ring_case(fmt: str, size: int):
+    """Every rank's q, k, v, dout (fp64, load-balanced shards of one batch) and its chunk views."""
+    gen = torch.Generator().manual_seed(7)
+    h, g, d = 4, 2, 8
+    if fmt == "dense":
+        s = 8 * size
+        full = [torch.randn(2, s, n, d, generator=gen, dtype=torch.float64) for n in (h, g, g, h)]
+        shards = [[cpm.shard_sequence(t, 1, r, size) for t in full] for r in range(size)]
+        return full, shards, DenseChunks(s // size), DenseChunks(s // size)
+    lengths = [10, 0, 3, 16 + 5 * size]
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    cu_pad = cpm.pad_cu_seqlens(cu, size)
+    full = [torch.randn(int(cu_pad[-1]), n, d, generator=gen, dtype=torch.float64) for n in (h, g, g, h)]
+    shards = [[cpm.shard_thd(t, cu_pad, r, size) for t in full] for r in range(size)]
+    max_chunk = int((cu_pad[1:] - cu_pad[:-1]).max()) // (2 * size)
+    chunks = PackedChunks(cu, cu_pad, size, shards[0][0].shape[0], max_chunk)
+    return full, shards, chunks, chunks
+
+
+def _run_ring_in_threads(shards, q_chunks, kv_chunks, causal, scale, recorder, monkeypatch):
+    size = len(shards)
+    boxes = _Mailboxes(size)
+    monkeypatch.setattr(cp_ring, "_exchange", boxes.exchange)
+    results, failures = {}, []
+
+    def rank_main(r):
+        recorder.here.rank = ("ring", r)
+        try:
+            q, k, v, dout = shards[r]
+            q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+            out = cp_ring.ring_attention(q, k, v, Ring(None, size, r, (r + 1) % size, (r - 1) % size),
+                                         q_chunks, kv_chunks, causal, scale)
+            results[r] = [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+        except Exception as e:  # noqa: BLE001 (re-raised below, with the rank)
+            failures.append((r, e))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures, f"ring rank {failures[0][0]} failed: {failures[0][1]!r}"
+    return results
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("fmt", ["dense", "packed"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rank_schedule_is_the_ring(size, fmt, causal, monkeypatch):
+    """rank_forward / rank_backward with every rank's K/V at hand call block_forward / block_backward on the
+    same tensors with the same masks, in the same order, as rank r of RingAttention does, and give its
+    out and dq exactly and its dK/dV (summed over the ranks) to rounding; dense: the unsharded result is
+    full attention's."""
+    full, shards, q_chunks, kv_chunks = _ring_case(fmt, size)
+    scale = 0.35
+    recorder = _Recorder(monkeypatch)
+    ring = _run_ring_in_threads(shards, q_chunks, kv_chunks, causal, scale, recorder, monkeypatch)
+    kv = [torch.stack([k, v]) for _, k, v, _ in shards]
+    dkv = [torch.zeros_like(t) for t in kv]
+    local = {}
+    for r in range(size):
+        recorder.here.rank = ("local", r)
+        q, _, _, dout = shards[r]
+        sched = RankSchedule(r, size, q_chunks, kv_chunks, causal, scale)
+        out, lse, aux = rank_forward(sched, q, kv.__getitem__)
+        local[r] = [out, rank_backward(sched, dout, q, out, lse, kv.__getitem__, aux, dkv.__getitem__)]
+    for r in range(size):
+        got, want = recorder.calls[("local", r)], recorder.calls[("ring", r)]
+        assert len(got) == len(want) == 2 * sum(len(RankSchedule(r, size, q_chunks, kv_chunks, causal, scale).blocks(i))
+                                                for i in range(size))
+        for (name_a, ts_a, mask_a), (name_b, ts_b, mask_b) in zip(got, want):
+            assert name_a == name_b and _same_mask(mask_a, mask_b)
+            assert len(ts_a) == len(ts_b) and all(torch.equal(a, b) for a, b in zip(ts_a, ts_b))
+        assert torch.equal(local[r][0], ring[r][0]) and torch.equal(local[r][1], ring[r][1])
+        assert torch.allclose(dkv[r][0], ring[r][2], atol=1e-12) and torch.allclose(dkv[r][1], ring[r][3], atol=1e-12)
+    if fmt == "dense":
+        s = full[0].shape[1]
+        out = cpm.unshard_sequence([local[r][0] for r in range(size)], 1)
+        ref, _ = _ref(*full[:3], te_mask(s, s, "causal" if causal else "no_mask"), scale)
+        assert torch.allclose(out, ref, atol=1e-12)
+
+
+def test_bench_cp_ranks_do_the_whole_causal_attention():
+    """benchmarks/bench_cp.py's ranks (RankSchedule with the other ranks' K/V at hand, as timed on the GPU):
+    together they give full causal attention and its q, k, v gradients, and the pairs each scores (the FLOPs
+    its floor is set by) are its share, 1/cp of the causal matrix."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_cp
+
+    torch.manual_seed(4)
+    s, scale = 32, 0.3
+    full = [torch.randn(1, s, n, 8, dtype=torch.float64) for n in (4, 2, 2, 4)]
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in full[:3])
+    ref, _ = _ref(qr, kr, vr, te_mask(s, s, "causal"), scale)
+    ref.backward(full[3])
+    for cp in (2, 4):
+        ranks = bench_cp.ranks_for(full, cp, scale)
+        outs, dqs = [], []
+        for rank in ranks:
+            out, lse, aux = rank.forward()
+            outs.append(out)
+            dqs.append(rank.backward(out, lse, aux)[0])
+        dk, dv = (cpm.unshard_sequence([t[j] for t in ranks[0].dkv_all], 1) for j in (0, 1))
+        for got, want in ((cpm.unshard_sequence(outs, 1), ref), (cpm.unshard_sequence(dqs, 1), qr.grad),
+                          (dk, kr.grad), (dv, vr.grad)):
+            assert torch.allclose(got, want, atol=1e-12)
+        for rank in ranks:
+            pairs = 0
+            for i in range(cp):
+                for qv, kvv, mask in rank.sched.blocks(i):
+                    n_q, n_kv = ((v.stop or s // cp) - v.start for v in (qv, kvv))
+                    pairs += n_q * (n_q + 1) // 2 if mask.right == 0 else n_q * n_kv
+            assert pairs == bench_cp.rank_pairs(s, cp)
+        assert cp * bench_cp.rank_pairs(s, cp) == s * (s + 1) // 2

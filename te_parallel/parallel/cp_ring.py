@@ -15,13 +15,17 @@ step's attention runs, so the transfer overlaps it. Backward: K/V go round again
 with each block travels the fp32 sum of its dK/dV over the ranks that have used it so far; after P steps
 every rank holds the sum for its own block.
 
+One rank's compute apart from the transfers is a RankSchedule (its blocks, merges and accumulations step
+by step); rank_forward / rank_backward run it on one device with every rank's K/V already there, which is
+how one GPU measures a rank's share of a CP step against the unsplit attention (benchmarks/bench_cp.py).
+
 Tokens: dense [b, s, h, d] (the halves are slices of dim 1) or packed [t, h, d] in the per-rank padded
 layout of TE's thd (each sequence's slot holds its two chunks; only the rows of real tokens attend).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -119,12 +123,82 @@ class PackedChunks:
         return self._views[key]
 
 
-def steps(ring: Ring, i: int, causal: bool) -> List[Tuple[str, str]]:
-    """The (query part of this rank, key part of the source rank) blocks of step i; causal diagonal at i = 0."""
-    src = (ring.rank - i) % ring.size
+def steps(rank: int, size: int, i: int, causal: bool) -> List[Tuple[str, str]]:
+    """The (query part of `rank`, key part of the source rank) blocks of step i; causal diagonal at i = 0."""
+    src = (rank - i) % size
     if not causal or i == 0:
         return [("all", "all")]
-    return [("all", "first")] if src < ring.rank else [("second", "all")]
+    return [("all", "first")] if src < rank else [("second", "all")]
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """What one rank of the ring computes, step by step, apart from the communication: at step i it holds
+    kv = stack([k, v]) of rank `source(i)` and runs the blocks of `steps`. RingAttention runs it with K/V
+    arriving from its neighbour; `rank_forward` / `rank_backward` run it with every rank's K/V at hand (one
+    device standing in for the ring: the same blocks, merges and accumulations, no transfers)."""
+    rank: int
+    size: int
+    q_chunks: object   # DenseChunks or PackedChunks of the queries
+    kv_chunks: object  # ... of the keys
+    causal: bool
+    scale: float
+
+    def source(self, i: int) -> int:
+        return (self.rank - i) % self.size
+
+    def blocks(self, i: int) -> List[Tuple[TokenView, TokenView, BlockMask]]:
+        """Step i's blocks: (this rank's query view, the source's key view, the block's mask)."""
+        src = self.source(i)
+        out = []
+        for q_part, kv_part in steps(self.rank, self.size, i, self.causal):
+            qv, kvv = self.q_chunks.view(self.rank, q_part), self.kv_chunks.view(src, kv_part)
+            out.append((qv, kvv, block_mask(qv, kvv, i == 0 and self.causal)))
+        return out
+
+    def start(self, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The running (out, lse) before step 0: zeros and −inf in fp32 (fp64 for fp64 q)."""
+        acc = acc_dtype(q.dtype)
+        return (torch.zeros(q.shape, dtype=acc, device=q.device),
+                torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device))
+
+    def forward(self, i: int, q, kv, out, lse) -> list:
+        """Step i: merge each block's (out, lse) into the running out/lse in place -> the blocks' aux."""
+        aux = []
+        for qv, kvv, mask in self.blocks(i):
+            o_b, l_b, a = block_forward(qv.take(q), kvv.take(kv[0]), kvv.take(kv[1]), mask, self.scale)
+            qv.merge_(out, lse, o_b, l_b)
+            aux.append(a)
+        return aux
+
+    def backward(self, i: int, dout, q, out, lse, kv, aux: list, dq, dkv) -> None:
+        """Step i's gradients with the merged out/lse: added into dq (fp32, like q) and into dkv (fp32 [2, ..]
+        like kv, the running dK/dV sum of the source's block), in place."""
+        for (qv, kvv, mask), a in zip(self.blocks(i), aux):
+            dq_b, dk_b, dv_b = block_backward(qv.take(dout), qv.take(q), kvv.take(kv[0]), kvv.take(kv[1]),
+                                              qv.take(out), qv.take(lse), a, mask, self.scale)
+            qv.add_(dq, dq_b)
+            kvv.add_(dkv[0], dk_b)
+            kvv.add_(dkv[1], dv_b)
+
+
+def rank_forward(sched: RankSchedule, q, kv_of: Callable[[int], torch.Tensor]):
+    """The ring's forward for sched.rank with every rank's K/V at hand (kv_of(src) -> stack([k, v]) of rank
+    src) -> (out like q, lse in fp32, aux per step for rank_backward)."""
+    out, lse = sched.start(q)
+    aux = [sched.forward(i, q, kv_of(sched.source(i)), out, lse) for i in range(sched.size)]
+    return out.to(q.dtype), lse, aux
+
+
+def rank_backward(sched: RankSchedule, dout, q, out, lse, kv_of: Callable[[int], torch.Tensor], aux,
+                  dkv_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The ring's backward for sched.rank without transfers -> dq like q. This rank's dK/dV of rank src's
+    block is added into dkv_of(src) (fp32 [2, ..]), as the ring adds it into the sum travelling with the block."""
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    for i in range(sched.size):
+        src = sched.source(i)
+        sched.backward(i, dout, q, out, lse, kv_of(src), aux[i], dq, dkv_of(src))
+    return dq.to(q.dtype)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: Ring, tag: int) -> List[dist.Work]:
@@ -149,9 +223,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, q_chunks, kv_chunks, causal: bool, scale: float):
-        acc = acc_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        sched = RankSchedule(ring.rank, ring.size, q_chunks, kv_chunks, causal, scale)
+        out, lse = sched.start(q)
         kv = torch.stack([k, v])  # one message per step
         aux = []
         for i in range(ring.size):
@@ -159,45 +232,29 @@ class RingAttention(torch.autograd.Function):
             if i + 1 < ring.size:
                 nxt = torch.empty_like(kv)
                 works = _exchange(kv, nxt, ring, tag=0)
-            src = (ring.rank - i) % ring.size
-            for q_part, kv_part in steps(ring, i, causal):
-                qv, kvv = q_chunks.view(ring.rank, q_part), kv_chunks.view(src, kv_part)
-                mask = block_mask(qv, kvv, i == 0 and causal)
-                o_b, l_b, a = block_forward(qv.take(q), kvv.take(kv[0]), kvv.take(kv[1]), mask, scale)
-                qv.merge_(out, lse, o_b, l_b)
-                aux.append(a)
+            aux.append(sched.forward(i, q, kv, out, lse))
             _wait(works)
             kv = nxt if nxt is not None else kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, q_chunks, kv_chunks, causal, scale, aux)
+        ctx.args = (ring, sched, aux)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, q_chunks, kv_chunks, causal, scale, aux = ctx.args
-        acc = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        ring, sched, aux = ctx.args
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         kv = torch.stack([k, v])
         dkv = None  # the running dK/dV sum of the block held at this step
-        blocks = iter(aux)
         for i in range(ring.size):
             works_kv, nxt = None, None
             if i + 1 < ring.size:
                 nxt = torch.empty_like(kv)
                 works_kv = _exchange(kv, nxt, ring, tag=0)
             if dkv is None:
-                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            src = (ring.rank - i) % ring.size
-            for q_part, kv_part in steps(ring, i, causal):
-                qv, kvv = q_chunks.view(ring.rank, q_part), kv_chunks.view(src, kv_part)
-                dq_b, dk_b, dv_b = block_backward(
-                    qv.take(dout), qv.take(q), kvv.take(kv[0]), kvv.take(kv[1]), qv.take(out), qv.take(lse), next(blocks),
-                    block_mask(qv, kvv, i == 0 and causal), scale)
-                qv.add_(dq, dq_b)
-                kvv.add_(dkv[0], dk_b)
-                kvv.add_(dkv[1], dv_b)
+                dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
+            sched.backward(i, dout, q, out, lse, kv, aux[i], dq, dkv)
             dkv_next = torch.empty_like(dkv)
             works_dkv = _exchange(dkv, dkv_next, ring, tag=1)
             _wait(works_kv)
