@@ -409,7 +409,6 @@ MOE_MISTAKES = [
     (["--experts", "4", "--ep", "4"], 2, "--ep 4 must divide the 2 data-parallel replica(s)"),
     (["--experts", "6", "--ep", "4"], 4, "and --experts 6; use --ep 1"),
     (["--experts", "4", "--ep", "2", "--dp-engine", "ddp"], 2, "--ep 2 needs --dp-engine fsdp2"),
-    (["--experts", "4", "--ep", "2", "--save", "ck"], 2, "do not write or read checkpoints"),
     (["--experts", "4", "--aux-loss-coeff", "-1"], 1, "--aux-loss-coeff -1.0 must be a number >= 0"),
 ]
 

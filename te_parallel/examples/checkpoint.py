@@ -4,7 +4,8 @@ What a checkpoint holds, and why each part is there:
 - "train": model and optimizer state from `te.dcp_state_dict`: torch's `get_state_dict` (FSDP2's
   DTensors, DDP's unwrapped names), with every TP shard placed at its offset in the full (TP=1)
   tensor. DCP then stores each piece of each tensor once, whichever rank holds it: the TP shards of
-  all TP ranks, the FSDP2 shards of all DP ranks, one copy of what is replicated (the FP8 scaling
+  all TP ranks, the FSDP2 shards of all DP ranks, (MoE) each expert from the ep rank that holds it,
+  under its name in the one-rank model, one copy of what is replicated (the FP8 scaling
   state is identical everywhere: its amaxes are reduced over the whole mesh). Plain local TP tensors
   would not do: DCP takes a plain tensor for a whole one held by every rank and keeps one rank's.
 - "step" and, from rank 0, "log": where the run stands and its curve so far (JSON text).

@@ -107,7 +107,7 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, default=1,
                    help="--experts: expert-parallel size, consecutive data-parallel replicas that split the experts "
                         "and exchange tokens by all-to-all; must divide the replicas (processes / --tp) and --experts; "
-                        "needs --dp-engine fsdp2, and runs without checkpoints")
+                        "needs --dp-engine fsdp2. Checkpoints hold every expert once and resume at any --ep")
 
 
 def _training_flags(ap: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ SIZE_DEFAULTS = {"arch": "gpt", "kv_heads": None, "experts": 0, "topk": None, "c
 SETTING_FLAGS = {"fp8": "--fp8", "sequence_parallel": "--sequence-parallel", "seq_len": "--seq-len",
                  "micro_batch": "--micro-batch", "corpus_bytes": "--corpus-bytes", "seed": "--seed", "lr": "--lr",
                  "warmup": "--warmup", "steps": "--steps", "dropout": "--dropout", "clip_grad": "--clip-grad",
-                 "aux_loss_coeff": "--aux-loss-coeff", "cp_comm": "--cp-comm"}
+                 "aux_loss_coeff": "--aux-loss-coeff", "cp_comm": "--cp-comm", "ep": "--ep"}
 
 
 def holds_run(path) -> bool:

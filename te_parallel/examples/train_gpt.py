@@ -107,9 +107,6 @@ def check_moe(args, dp: int) -> Optional[str]:
     if args.ep > 1 and args.dp_engine != "fsdp2":
         raise CliError(f"--ep {args.ep} needs --dp-engine fsdp2 (the experts are sharded over the replicas that "
                        f"hold them); drop --dp-engine {args.dp_engine} or use --ep 1")
-    if args.ep > 1 and (args.save or args.resume or args.stop_after is not None):
-        raise CliError(f"--ep {args.ep}: expert-parallel runs do not write or read checkpoints (--save, --resume, "
-                       f"--stop-after); drop those flags or use --ep 1")
     where = f", split over ep={args.ep} replicas" if args.ep > 1 else ""
     return (f"MoE: experts={args.experts} topk={args.topk} per layer{where}, load-balancing loss x "
             f"{args.aux_loss_coeff:g}")
@@ -196,9 +193,8 @@ class Trainer:
     def clip_gradients(self) -> float:
         """Scales the averaged gradients down to the global norm --clip-grad where theirs is larger
         (--clip-grad 0: leaves them as they are); returns their norm before that. The norm is the whole
-        model's, the same on every rank: every TP shard and FSDP2 shard once, every whole parameter once."""
-        if self.ep_mesh is not None:  # (MoE) the experts' share of the norm is spread over the ep ranks
-            return clip_with_experts(self.model, self.args.clip_grad, self.ep_mesh["ep"].get_group()).item()
+        model's, the same on every rank: every TP shard and FSDP2 shard once, every whole parameter once,
+        (MoE) every expert once whichever ep rank holds it."""
         if self.args.clip_grad == 0:
             return te.get_total_norm(self.model).item()
         return te.clip_grad_norm_(self.model, self.args.clip_grad).item()
@@ -268,24 +264,6 @@ def shard_experts(model, edp_mesh, dp: int) -> None:
             m.experts.set_gradient_divide_factor(float(dp))
             if edp_mesh.size() > 1:  # a sum, then the division (gloo has no pre-multiplied sum); on one rank torch
                 m.experts.set_force_sum_reduction_for_comms(True)  # 2.13 would divide twice, and needs no sum
-
-
-def clip_with_experts(model, max_norm: float, ep_group) -> torch.Tensor:
-    """te.clip_grad_norm_ where each ep rank holds other experts: total² = (the model's norm² on this rank, its
-    own experts counted) − (its experts' norm²) + (the experts' norm² summed over the ep group). The total is
-    made the same on every rank (a max over the group) so that every rank scales by the same factor."""
-    experts = torch.nn.ModuleList(m.experts for m in model.modules() if isinstance(m, te.MoELayer))
-    mine = te.get_total_norm(experts).double() ** 2
-    everyone = mine.clone()
-    torch.distributed.all_reduce(everyone, group=ep_group)
-    total = (te.get_total_norm(model).double() ** 2 - mine + everyone).clamp(min=0).sqrt()
-    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (total.item() + 1e-6))
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return total.float()
 
 
 def train(args, world: World) -> list:

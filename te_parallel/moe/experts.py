@@ -22,6 +22,7 @@ rows:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -29,11 +30,13 @@ import torch
 from torch import nn
 
 from te_parallel.fp8.autocast import current_frame
+from te_parallel.fp8.state import AnyLengthHistory
 from te_parallel.module.fp8_padding import align_size_for_recipe
 from te_parallel.module.grouped_linear import GroupedLinear
 from te_parallel.module.params import tp_rank
 from te_parallel.ops.activation import apply_activation
-from te_parallel.parallel.sharding import ShardLayout, split_layout
+from te_parallel.parallel.groups import group_size
+from te_parallel.parallel.sharding import ExpertShard, ShardLayout, split_layout
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,83 @@ def unpad_rows(y: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
     return y if index is None else y.index_select(0, index)
 
 
-class GatedGroupedLinear(GroupedLinear):
+class ExpertLinear(GroupedLinear):
+    """GroupedLinear holding G of a layer's experts, the others on the other ranks of an ep group
+    (set_expert_parallel). Its state_dict() names each expert's parameters after the expert's place in the
+    whole layer (weight{offset + g}), so that PyTorch's checkpoint tools see every expert once, and
+    te.clip_grad_norm_ sums the experts' share of the norm over the ep group (te_parallel.parallel.sharding).
+    torch's state-dict functions resolve every state-dict key by attribute lookup through the model, so a
+    local expert's parameter is also reachable under its whole-layer name (`weight5` on the rank holding
+    expert 5 as its weight1); on rank offset > 0 these names are never also local names (offset >= G)."""
+
+    _ep_shard: Optional[ExpertShard] = None
+    ep_group = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._register_state_dict_hook(_fp8_scales_as_bytes)
+        self._register_load_state_dict_pre_hook(_fp8_state_of_this_ep_size, with_module=True)
+
+    def set_expert_parallel(self, shard: Optional[ExpertShard], ep_group) -> None:
+        """This module holds experts [shard.offset, shard.offset + G) of shard.num_experts, the rest held by
+        the other ranks of ep_group; shard None: it holds all of its layer's experts (or is not a layer's)."""
+        if shard is not None and shard.num_local != self.num_gemms:
+            raise ValueError(f"{type(self).__name__}.set_expert_parallel: the shard holds {shard.num_local} experts "
+                             f"but the module has num_gemms={self.num_gemms}")
+        if shard is not None and shard.num_local * group_size(ep_group) != shard.num_experts:
+            raise ValueError(f"{type(self).__name__}.set_expert_parallel: {group_size(ep_group)} ep ranks of "
+                             f"{shard.num_local} experts each do not make the layer's {shard.num_experts} experts")
+        self._ep_shard, self.ep_group = shard, ep_group
+
+    def ep_shard(self) -> Optional[ExpertShard]:
+        """Where the local experts sit among the layer's (None: all of them are here)."""
+        shard = self._ep_shard
+        return None if shard is None or shard.num_local == shard.num_experts else shard
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shard = self.__dict__.get("_ep_shard")
+            local = None if shard is None else shard.local_name(name)
+            if local is None or local == name:
+                raise
+            return super().__getattr__(local)
+
+
+# The FP8 scaling state of routed experts has one slot per local expert (te_parallel.fp8.state): its shape
+# depends on the ep size. Its scales are stored as bytes (as the amax histories are), so that DCP loads them
+# whatever their shape, and a state of another ep size is left out of a load (a fresh state, with a warning)
+# rather than failing it: local expert g's scale is shared with other experts wherever the fp8 group spans ep
+# ranks, so it has no single place among the layer's experts.
+_FP8_SCALES = ("fwd_scale", "fwd_scale_inv", "bwd_scale", "bwd_scale_inv")
+
+
+def _fp8_scales_as_bytes(module: "ExpertLinear", state_dict, prefix: str, local_metadata) -> None:
+    if module._ep_shard is None:
+        return
+    state = module._modules["fp8_state"]
+    for name in _FP8_SCALES:
+        value = state_dict.get(f"{prefix}fp8_state.{name}")
+        if isinstance(value, torch.Tensor) and value is not getattr(state, name):  # (keep_vars: the buffer itself)
+            state_dict[f"{prefix}fp8_state.{name}"] = AnyLengthHistory.of(value)
+
+
+def _fp8_state_of_this_ep_size(module: "ExpertLinear", state_dict, prefix: str, local_metadata, strict,
+                               missing_keys, unexpected_keys, error_msgs) -> None:
+    scale = state_dict.get(f"{prefix}fp8_state.fwd_scale")
+    if module._ep_shard is None or not isinstance(scale, torch.Tensor) or scale.dim() != 1:
+        return
+    if scale.shape[0] == 2 * module.num_gemms:
+        return
+    for key in [k for k in state_dict if k.startswith(f"{prefix}fp8_state.")]:
+        del state_dict[key]
+    warnings.warn(f"{prefix}fp8_state was saved for {scale.shape[0] // 2} local experts and this rank holds "
+                  f"{module.num_gemms} (another expert-parallel size): the experts' FP8 scaling state starts fresh; "
+                  f"run a few steps under fp8_autocast(calibrating=True) first if that matters", stacklevel=3)
+
+
+class GatedGroupedLinear(ExpertLinear):
     """GroupedLinear whose experts' rows are two blocks, [gate; up] (SwiGLU's fc1, out_features = 2·ffn).
 
     Column-parallel, rank r holds [gate_r; up_r] of each expert: both halves split alike, so the activation
@@ -108,11 +187,14 @@ class GroupedMLP(nn.Module):
 
     forward(x [rows, hidden], rows: ExpertRows) -> [rows, hidden], this rank's partial sum under TP.
     Parameters: linear_fc1.weight{g} [2·ffn/tp, hidden] (rows [gate_r; up_r]), linear_fc2.weight{g}
-    [hidden, ffn/tp], g the local expert (Megatron's TEGroupedMLP names)."""
+    [hidden, ffn/tp], g the local expert (Megatron's TEGroupedMLP names). expert_shard / ep_group: where these
+    experts sit among the layer's, the others on the other ranks of ep_group (ExpertLinear); state_dict()
+    names them weight{expert_shard.offset + g}."""
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *, tp_group=None,
                  tp_size: int = 1, bias: bool = False, params_dtype: Optional[torch.dtype] = None, device=None,
-                 init_method: Optional[Callable] = None, output_layer_init_method: Optional[Callable] = None) -> None:
+                 init_method: Optional[Callable] = None, output_layer_init_method: Optional[Callable] = None,
+                 expert_shard: Optional[ExpertShard] = None, ep_group=None) -> None:
         super().__init__()
         split = tp_size > 1
         common = dict(tp_group=tp_group if split else None, tp_size=tp_size, bias=bias, params_dtype=params_dtype,
@@ -120,9 +202,11 @@ class GroupedMLP(nn.Module):
         self.linear_fc1 = GatedGroupedLinear(num_local_experts, hidden_size, 2 * ffn_hidden_size,
                                              parallel_mode="column" if split else None, init_method=init_method,
                                              **common)
-        self.linear_fc2 = GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size,
-                                        parallel_mode="row" if split else None,
-                                        init_method=output_layer_init_method or init_method, **common)
+        self.linear_fc2 = ExpertLinear(num_local_experts, ffn_hidden_size, hidden_size,
+                                       parallel_mode="row" if split else None,
+                                       init_method=output_layer_init_method or init_method, **common)
+        for fc in (self.linear_fc1, self.linear_fc2):  # (names in the whole layer, the norm over the ep group)
+            fc.set_expert_parallel(expert_shard, ep_group)
 
     def reset_parameters(self) -> None:
         self.linear_fc1.reset_parameters()

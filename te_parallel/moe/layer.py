@@ -26,6 +26,11 @@ data-parallel ranks (the usual layout), fully_shard the experts (`layer.experts`
 the same experts (dp / ep of them) with `set_gradient_divide_factor(dp)`: the all-to-all's backward already
 summed every ep rank's tokens into the expert's gradient, and dividing by dp makes it the data-parallel mean.
 With ep = 1 the experts are dense parameters like any other.
+
+Checkpoints and clipping see the whole layer: state_dict() names expert e's parameters
+experts.linear_fc*.weight{e} on the rank that holds it (each expert once, in the one-process model's names, TP
+shards as whole tensors), so torch.distributed.checkpoint saves every expert and loads at any ep size, and
+te.clip_grad_norm_ sums the experts' share of the norm over the ep group (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from te_parallel.moe.experts import ExpertRows, GroupedMLP
 from te_parallel.moe.router import TopKRouter, check_router_args
 from te_parallel.parallel.collectives import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from te_parallel.parallel.groups import DeviceMesh, as_group, check_divisible, group_rank, group_size
+from te_parallel.parallel.sharding import ExpertShard
 
 OWNER = "MoELayer"
 
@@ -89,7 +95,8 @@ class MoELayer(TensorParallelMixin, nn.Module):
     "ep" axis; num_experts must divide by its size), tp_group / tp_size (fc1 column-, fc2 row-parallel;
     ffn_hidden_size must divide by tp), sequence_parallel. Parameters: router.weight [E, h] (router_dtype),
     experts.linear_fc1.weight{g} [2·ffn/tp, h], experts.linear_fc2.weight{g} [h, ffn/tp] for the local
-    experts g, the global expert being `expert_offset` + g. The experts have no biases.
+    experts g, the global expert being `expert_offset` + g (state_dict() names them by the global expert). The
+    experts have no biases.
     shared_expert_ffn_hidden_size: a SwiGLU MLP of that size that every token passes through, its output added
     to the routed experts' (DeepSeek's shared expert; parameters shared_experts.linear_fc1/2.weight0, split
     over TP like the experts', whole on every ep rank).
@@ -140,7 +147,8 @@ class MoELayer(TensorParallelMixin, nn.Module):
         # draws the keys of all num_experts experts
         device = resolve_device(device)
         self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size, device=torch.device("meta"),
-                                  **mlp)
+                                  expert_shard=ExpertShard(num_experts, self.expert_offset, self.num_local_experts),
+                                  ep_group=self.ep_group, **mlp)
         if device.type != "meta":
             self.experts.to_empty(device=device)
         self.aux_loss: Optional[torch.Tensor] = None

@@ -11,6 +11,10 @@ biases) drift apart. Here the norm is taken from what the model's modules say ab
     total^p = sum over TP groups of all_reduce_sum(sum over that group's shards of ||g||^p)
             + sum over whole parameters of ||g||^p          (counted once: the same on every TP rank)
 
+Under expert parallelism (an MoE layer's experts split over an "ep" group, each rank holding its own; the
+modules' `ep_shard()`) the experts' sums are also all-reduced over the ep group, so every expert counts
+once, and the parameters every ep rank holds (router, norms, shared expert) count once.
+
 (max and all_reduce_max for p = inf). FSDP2's gradients are DTensors over the data-parallel mesh: their
 local shards' sums are also all-reduced over the mesh dims that shard them. DDP's gradients are already
 the same on every data-parallel rank. Every rank gets the same total, bit for bit (the same numbers in the
@@ -37,29 +41,36 @@ except ImportError:  # torch built without distributed
 _CHUNK = 1 << 24  # elements per fp64 reduction: a large gradient is not copied to fp64 whole
 
 
-def _sharded_params(model: nn.Module) -> Dict[int, dist.ProcessGroup]:
-    """{id(parameter): its TP group} for the TP-sharded parameters of `model`'s modules."""
-    sharded = {}
+def _sharded_params(model: nn.Module) -> Dict[int, Tuple[dist.ProcessGroup, ...]]:
+    """{id(parameter): the groups its pieces are spread over} for the TP-sharded parameters of `model`'s
+    modules (their TP group) and the experts split over an ep group (`ep_shard()`: the ep group, after
+    the TP group of a TP-sharded expert)."""
+    sharded: Dict[int, Tuple[dist.ProcessGroup, ...]] = {}
     for sub in model.modules():
         layouts = getattr(sub, "tp_shard_layouts", None)  # the modules that answer it: shard_layouts' rule
-        if layouts is None:
-            continue
-        for name, layout in layouts().items():
-            if layout.local_shape != layout.full_shape:
-                sharded[id(sub._parameters[name])] = sub.tp_group
+        if layouts is not None:
+            for name, layout in layouts().items():
+                if layout.local_shape != layout.full_shape:
+                    sharded[id(sub._parameters[name])] = (sub.tp_group,)
+        ep_shard = getattr(sub, "ep_shard", None)  # (ExpertShard's rule, te_parallel.parallel.sharding)
+        if ep_shard is not None and ep_shard() is not None:
+            for p in sub._parameters.values():
+                if p is not None:
+                    sharded[id(p)] = sharded.get(id(p), ()) + (sub.ep_group,)
     return sharded
 
 
 def _grads(model: nn.Module) -> List[Tuple[torch.Tensor, Tuple[dist.ProcessGroup, ...]]]:
     """[(the local gradient, the groups over which its pieces are spread)]: the TP group of a TP shard,
-    the mesh dims of a DTensor gradient (FSDP2) that shard it; () for a gradient held whole."""
+    the ep group of an expert split over one, the mesh dims of a DTensor gradient (FSDP2) that shard it;
+    () for a gradient held whole."""
     sharded = _sharded_params(model)
     out = []
     for p in model.parameters():
         g = p.grad
         if g is None:
             continue
-        groups = (sharded[id(p)],) if id(p) in sharded else ()
+        groups = sharded.get(id(p), ())
         if isinstance(g, DTensor):
             for dim, placement in enumerate(g.placements):
                 if placement.is_partial():

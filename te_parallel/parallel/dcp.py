@@ -30,7 +30,7 @@ try:
 except ImportError:  # torch built without distributed: no DCP to write for, and no DTensor to meet
     DTensor = ()
 
-from te_parallel.parallel.sharding import ShardLayout, shard_layouts
+from te_parallel.parallel.sharding import ExpertShard, ShardLayout, shard_layouts
 
 # path components that torch's state-dict functions leave out of fully qualified names (activation
 # checkpointing, torch.compile and FSDP1 wrappers); DDP's root "module." is removed by unwrapping the root
@@ -191,6 +191,11 @@ def _global_entries(module: nn.Module, state_dict, prefix: str, local_metadata) 
         value = _high_precision(value)
         layout = layouts.get(name)
         state_dict[key] = value if layout is None else global_shards(key, value, layout, module.tp_group)
+    shard = _expert_shard(module)
+    if shard is not None:  # each expert under its name in the whole layer (local names never clash with them)
+        for name in module._parameters:
+            if prefix + name in state_dict and shard.global_name(name) != name:
+                state_dict[prefix + shard.global_name(name)] = state_dict.pop(prefix + name)
 
 
 def _local_entries(module: nn.Module, state_dict, prefix: str, local_metadata, strict, missing_keys,
@@ -198,6 +203,7 @@ def _local_entries(module: nn.Module, state_dict, prefix: str, local_metadata, s
     """load_state_dict pre-hook: a GlobalShards entry of this module's layout loads as its local shard
     (what DCP wrote into it in place, or another model's shard of the same layout); one of another
     TP layout is refused, since its local data is not this rank's part of the tensor."""
+    _expert_local_entries(module, state_dict, prefix)
     entries = {name: state_dict.get(prefix + name) for name in module._parameters}
     entries = {name: value for name, value in entries.items() if isinstance(value, GlobalShards)}
     layouts = _sharded_layouts(module) if entries else {}  # (once per module, and only when needed)
@@ -210,6 +216,29 @@ def _local_entries(module: nn.Module, state_dict, prefix: str, local_metadata, s
                              f"load across TP layouts with torch.distributed.checkpoint (dcp.load into this model's "
                              f"state_dict(), then load_state_dict)")
         state_dict[prefix + name] = value.source
+
+
+def _expert_shard(module: nn.Module) -> Optional[ExpertShard]:
+    """The module's place among its layer's experts where they are split over an ep group (sharding's
+    `ep_shard()`), else None; None too where whole_tensor_state_dict is off (each rank's local names)."""
+    fn = getattr(module, "ep_shard", None)  # the modules that answer it: ExpertShard's rule
+    return None if fn is None or not module.whole_tensor_state_dict else fn()
+
+
+def _expert_local_entries(module: nn.Module, state_dict, prefix: str) -> None:
+    """Expert entries under their names in the whole layer (weight{e}) become this rank's local entries
+    (weight{e - offset}); other ranks' experts' entries are left out, so a state dict of the whole layer
+    (one process, or another ep size gathered by dcp.load) loads into each rank's experts."""
+    shard = _expert_shard(module)
+    if shard is None:
+        return
+    taken = {}
+    for key in [k for k in state_dict if k.startswith(prefix) and shard.is_expert_name(k[len(prefix):])]:
+        value = state_dict.pop(key)
+        local = shard.local_name(key[len(prefix):])
+        if local is not None:
+            taken[prefix + local] = value
+    state_dict.update(taken)
 
 
 def dcp_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -227,7 +256,8 @@ def dcp_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"dcp_state_dict: model must be an nn.Module, got {type(model).__name__}")
-    layouts = model_layouts(model)
+    names = expert_names(model)
+    layouts = {names.get(n, n): layout for n, layout in model_layouts(model).items()}
     model_sd = _sources(dict(get_model_state_dict(model)))  # the TP-local entries, wrapped below with the rest
     missing = sorted(set(layouts) - set(model_sd))
     if missing:
@@ -237,11 +267,12 @@ def dcp_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
         model_sd[name] = _high_precision(value)
     for name, layout in layouts.items():
         model_sd[name] = global_shards(name, model_sd[name], layout)
-    param_names = {_fqn(n) for n, _ in _root(model).named_parameters(remove_duplicate=False)}
+    param_names = {names.get(n, n) for n in (_fqn(n) for n, _ in _root(model).named_parameters(remove_duplicate=False))}
     _replicate_buffers(model_sd, param_names, process_group)
     out = {"model": model_sd}
     if optimizer is not None:
-        out["optim"] = _optimizer_entries(get_optimizer_state_dict(model, optimizer), layouts)
+        optim_sd = _renamed_state(get_optimizer_state_dict(model, optimizer), names)
+        out["optim"] = _optimizer_entries(optim_sd, layouts)
     return out
 
 
@@ -259,9 +290,12 @@ def load_dcp_state_dict(model: nn.Module, state_dict: Mapping[str, Any],
     if optimizer is not None and "optim" not in state_dict:
         raise ValueError("load_dcp_state_dict: an optimizer was given but state_dict has no 'optim' entry; "
                          "make the template with dcp_state_dict(model, optimizer)")
-    set_model_state_dict(model, _sources(state_dict["model"]))
+    # (the root module: under DDP torch would look the entries up by their local names, and an expert's is
+    # its whole-layer name, which the modules' load hooks take back)
+    set_model_state_dict(_root(model), _sources(state_dict["model"]))
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, _sources(state_dict["optim"]))
+        local_names = {g: n for n, g in expert_names(model).items()}
+        set_optimizer_state_dict(model, optimizer, _renamed_state(_sources(state_dict["optim"]), local_names))
     for module in model.modules():  # weights changed under them (writes through views keep versions right too)
         drop = getattr(module, "drop_fp8_weight_cache", None)
         if drop is not None:
@@ -297,6 +331,31 @@ def model_layouts(model: nn.Module) -> Dict[str, ShardLayout]:
         if layout.dim is not None:
             out[_fqn(name)] = layout
     return out
+
+
+def expert_names(model: nn.Module) -> Dict[str, str]:
+    """{local name: name in the whole model} of the parameters of experts split over an ep group (the
+    names torch's state-dict functions give them), where the two differ: the modules' `ep_shard()`
+    (te_parallel.parallel.sharding)."""
+    out = {}
+    for prefix, module in _root(model).named_modules(remove_duplicate=False):
+        shard = _expert_shard(module)
+        if shard is None:
+            continue
+        for name in module._parameters:
+            if shard.global_name(name) != name:
+                out[_fqn(f"{prefix}.{name}" if prefix else name)] = _fqn(
+                    f"{prefix}.{shard.global_name(name)}" if prefix else shard.global_name(name))
+    return out
+
+
+def _renamed_state(optim_sd: Dict[str, Any], names: Mapping[str, str]) -> Dict[str, Any]:
+    """The optimizer state dict with its per-parameter state under `names` (the param groups' lists of
+    names are left as they are: the local names, the same on every ep rank, so that whichever rank's copy
+    DCP keeps maps the groups at load)."""
+    if not names:
+        return optim_sd
+    return {**optim_sd, "state": {names.get(k, k): v for k, v in optim_sd.get("state", {}).items()}}
 
 
 def _root(model: nn.Module) -> nn.Module:

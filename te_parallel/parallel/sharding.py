@@ -10,9 +10,19 @@ full [2·ffn, hidden] weight, so it is two pieces.
 
 Each te_parallel module with TP-sharded parameters answers `tp_shard_layouts()` for its own
 parameters; `shard_layouts(model)` walks the tree and calls every other parameter replicated.
+
+Expert parallelism splits a layer's experts, not a tensor: each rank of the "ep" group holds G of the
+E experts as whole parameters (their TP shards under TP), named after their local index g
+(GroupedLinear's weight{g}, bias{g}). An `ExpertShard` names where those sit among the layer's
+experts: local expert g is expert offset + g, and its parameters' names in the whole model are
+weight{offset + g}, bias{offset + g}. A module whose experts are split over an ep group answers
+`ep_shard()` with one (None where it holds all of them) and keeps the group as `ep_group`; the
+whole-tensor state dicts (te_parallel.parallel.dcp) and the gradient norm (te_parallel.parallel.clip)
+read both, beside the TP layouts, which stay those of one expert's tensors.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -142,3 +152,42 @@ def shard_layouts(module: nn.Module) -> Dict[str, ShardLayout]:
                              f"shape {layout.local_shape} (full {layout.full_shape})")
         out[name] = layout
     return out
+
+
+_EXPERT_PARAM = re.compile(r"^(weight|bias)(\d+)$")  # a per-expert parameter: GroupedLinear's weight{g}, bias{g}
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """A module's local experts among the `num_experts` experts of its layer: local expert g is expert
+    `offset + g`, for g < `num_local` (module docstring). Names: a parameter of local expert g,
+    `<stem>{g}` (stem weight or bias), is `<stem>{offset + g}` in the whole model."""
+
+    num_experts: int
+    offset: int
+    num_local: int
+
+    def __post_init__(self) -> None:
+        if not (0 < self.num_local and 0 <= self.offset and self.offset + self.num_local <= self.num_experts):
+            raise ValueError(f"ExpertShard: local experts [{self.offset}, {self.offset + self.num_local}) must lie "
+                             f"inside the layer's {self.num_experts} experts")
+
+    def global_name(self, name: str) -> str:
+        """The whole model's name of the local parameter `name` (`name` itself if it is not an expert's)."""
+        found = _EXPERT_PARAM.match(name)
+        if found is None or int(found.group(2)) >= self.num_local:
+            return name
+        return f"{found.group(1)}{self.offset + int(found.group(2))}"
+
+    def local_name(self, name: str) -> Optional[str]:
+        """The local name of the whole model's expert parameter `name` when this rank holds that expert, else
+        None (another rank's expert, or not an expert's parameter)."""
+        found = _EXPERT_PARAM.match(name)
+        if found is None or not self.offset <= int(found.group(2)) < self.offset + self.num_local:
+            return None
+        return f"{found.group(1)}{int(found.group(2)) - self.offset}"
+
+    def is_expert_name(self, name: str) -> bool:
+        """Whether `name` names a parameter of one of the layer's experts, held here or not."""
+        found = _EXPERT_PARAM.match(name)
+        return found is not None and int(found.group(2)) < self.num_experts
