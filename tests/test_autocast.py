@@ -100,7 +100,6 @@ def test_weight_cache_policy(device, monkeypatch):
         return real(x, *a, **k)
 
     monkeypatch.setattr(cast_mod, "quantize", counting)
-    monkeypatch.setattr("te_parallel.ops.fp8_gemm_config.quantize", counting)
     x = torch.randn(16, 32, device=device)
     rec = R.DelayedScaling()
     weight_shapes = {tuple(m.fc1_weight.shape), tuple(m.fc2_weight.shape)}

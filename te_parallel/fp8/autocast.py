@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from te_parallel.fp8.gemm_quantizers import GemmQuantizers, gemm_quantizers
 from te_parallel.fp8.scaling import update_delayed_scaling
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.parallel.groups import amax_group
@@ -39,6 +40,9 @@ class FP8Frame:
     calibrating: bool
     recipe: Recipe
     group: Optional[dist.ProcessGroup]
+    # the recipe's quantizer of each GEMM operand kind (te_parallel.fp8.gemm_quantizers); None in a region
+    # that neither computes in FP8 nor calibrates
+    quantizers: Optional[GemmQuantizers] = None
 
 
 @dataclass
@@ -220,17 +224,14 @@ def is_fp8_block_scaling_available(return_reason: bool = False):
     return (ok, reason) if return_reason else ok
 
 
-def check_recipe_runs(recipe: Recipe) -> None:
-    """One line naming what is missing when this recipe cannot run here."""
-    from te_parallel.recipe import UNSUPPORTED_SCALING
-
-    if recipe.scaling in UNSUPPORTED_SCALING:
-        raise NotImplementedError(f"fp8_autocast: {UNSUPPORTED_SCALING[recipe.scaling]} is not implemented in "
-                                  f"te_parallel; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
-    if recipe.scaling == "block":
+def check_recipe_runs(recipe: Recipe) -> GemmQuantizers:
+    """The recipe's GEMM quantizers; one line naming what is missing when they cannot run here."""
+    quantizers = gemm_quantizers(recipe)  # (raises for a recipe no quantizers are registered for)
+    if not quantizers.per_tensor:  # tile / block scales: cuBLASLt's block-scaled GEMMs
         ok, reason = is_fp8_block_scaling_available(return_reason=True)
         if not ok:
             raise RuntimeError(f"fp8_autocast: {reason}")
+    return quantizers
 
 
 _DEFAULT_RECIPE = DelayedScaling()  # the recipe of fp8_autocast(fp8_recipe=None), made once (it is frozen)
@@ -268,16 +269,17 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
         elif not isinstance(recipe, Recipe):
             raise TypeError(f"fp8_recipe must be a te_parallel recipe (DelayedScaling, Float8CurrentScaling, "
                             f"Float8BlockScaling), got {recipe!r}")
+        quantizers = None
         if self.enabled or self.calibrating:
-            check_recipe_runs(recipe)
+            quantizers = check_recipe_runs(recipe)
             outer = next((f for f in reversed(_TLS.frames) if f.enabled or f.calibrating), None)
-            if outer is not None and (outer.recipe.scaling == "block") != (recipe.scaling == "block"):
+            if outer is not None and outer.quantizers.per_tensor != quantizers.per_tensor:
                 # (per-tensor recipes nest, the innermost deciding, as in TE; block scaling keeps no per-tensor state
                 # and its operands are of another kind, so one pass does not mix it with them)
                 raise ValueError(f"fp8_autocast: a {type(recipe).__name__} region inside a {type(outer.recipe).__name__} "
                                  f"region; block scaling and per-tensor scaling do not mix in one forward pass (close "
                                  f"the outer region first, or give both regions the same kind of recipe)")
-        _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group))
+        _TLS.frames.append(FP8Frame(bool(self.enabled), bool(self.calibrating), recipe, self.fp8_group, quantizers))
 
     @torch.compiler.disable
     def __exit__(self, *exc) -> None:

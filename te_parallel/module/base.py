@@ -110,12 +110,6 @@ def add_residual(name: str, out: torch.Tensor, residual: torch.Tensor) -> torch.
     return out + residual
 
 
-def weight_kind(recipe) -> tuple:
-    """What an FP8 weight cast depends on besides the values and the format: the recipe's scaling, and the
-    block shape under block scaling (a cached weight of another kind is cast again)."""
-    return (recipe.scaling, getattr(recipe, "w_block_scaling_dim", 0))
-
-
 class FP8Module(nn.Module):
     """Base of the GEMM modules: owns `fp8_state` and the quantized-weight cache.
 
@@ -164,31 +158,31 @@ class FP8Module(nn.Module):
         """The FP8 plan of GEMM number `gemm` this call (None outside FP8 / calibration)."""
         if frame is None:
             return None
-        recipe, group = frame.recipe, self._fp8_group(frame)
+        recipe, quantizers, group = frame.recipe, frame.quantizers, self._fp8_group(frame)
         state = self._modules["fp8_state"]  # (not nn.Module.__getattr__: this runs on every forward)
-        delayed = recipe.scaling == "delayed"
+        stateful = quantizers.has_state  # scales and amax histories in `state`, updated after each pass
         compiling = torch.compiler.is_compiling()
-        # delayed scaling: each backward cast asks for the backward scale update at the end of backward
-        # (in a graph through the bookkeeping op: te_parallel.fp8.compiled)
+        # each backward cast asks for the backward scale update at the end of backward (in a graph through
+        # the bookkeeping op: te_parallel.fp8.compiled)
         done = None
-        if delayed:
+        if stateful:
             done = (functools.partial(_compiled.backward_done, state) if compiling
                     else functools.partial(_autocast.record_backward, state, recipe, group))
         stash = _autocast.checkpoint_stash()
         if stash is not None and stash.replaying:  # te.checkpoint's recompute: the original pass's scales, W
             scale, weight_q = stash.replay()
-            return GemmFP8(recipe, state, gemm, weight_q, frame.enabled, group, fwd_scale=scale, record=False,
-                           backward_done=done)
+            return GemmFP8(recipe, quantizers, state, gemm, weight_q, frame.enabled, group, fwd_scale=scale,
+                           record=False, backward_done=done)
         if frame.enabled and weight.dtype == torch.float64:
             raise TypeError(f"{type(self).__name__}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64; "
                             f"convert the module with .to(torch.float32) or run it outside fp8_autocast")
         scales = state
-        if delayed and compiling:  # (the history is sized by the exit update: a graph never sees it)
+        if stateful and compiling:  # (the history is sized by the exit update: a graph never sees it)
             scales = _compiled.TracedScales(state, group)
-        elif delayed:
+        elif stateful:
             state.ensure_history_len(recipe.amax_history_len)
             _autocast.record_forward(state, recipe, group)
-        cfg = GemmFP8(recipe, scales, gemm, None, frame.enabled, group, backward_done=done)
+        cfg = GemmFP8(recipe, quantizers, scales, gemm, None, frame.enabled, group, backward_done=done)
         if frame.enabled and isinstance(weight, Float8Weight):  # FP8 parameters: their bytes, no cast
             cfg.weight = weight_operand(type(self).__name__, weight, recipe)
         elif frame.enabled:
@@ -196,7 +190,7 @@ class FP8Module(nn.Module):
         else:
             cfg.record_weight_amax(weight)
         if stash is not None:
-            stash.record(scales.fwd_scale if delayed else None, cfg.weight)
+            stash.record(scales.fwd_scale if stateful else None, cfg.weight)
         return cfg
 
     def _cached_weight(self, cfg: GemmFP8, params, weight, is_first_microbatch, amax_group) -> Float8Tensor:
@@ -205,9 +199,9 @@ class FP8Module(nn.Module):
         fmt = cfg.recipe.fp8_format
         if is_first_microbatch is False and not self._always_recast:  # TE's "reuse": no versions to read
             hit = self._weight_cache.get(cfg.gemm)
-            if hit is not None and hit[0][1] is fmt.fwd_dtype and hit[0][2] == weight_kind(cfg.recipe):
+            if hit is not None and hit[0][1] is fmt.fwd_dtype and hit[0][2] == cfg.quantizers.weight.cache_key:
                 return hit[1]
-        key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, weight_kind(cfg.recipe))
+        key = (tuple([(p._version, p.data_ptr()) for p in params]), fmt.fwd_dtype, cfg.quantizers.weight.cache_key)
         keep = (is_first_microbatch is not None or not torch.is_grad_enabled()
                 or not any(p.requires_grad for p in params))
         # A training forward without TE's micro-batch flag always casts (as TE does): the version key
@@ -245,7 +239,7 @@ class FP8Module(nn.Module):
         it (the key holds no versions, so the graph for False reads nothing that changes per step). The
         graph keeps W for backward itself (no WeightSource: its version check cannot be traced)."""
         fmt = cfg.recipe.fp8_format
-        key = (None, fmt.fwd_dtype, weight_kind(cfg.recipe))
+        key = (None, fmt.fwd_dtype, cfg.quantizers.weight.cache_key)
         if is_first_microbatch is False and not self._always_recast:
             hit = self._weight_cache.get(cfg.gemm)
             if hit is not None and hit[0] == key:
@@ -320,9 +314,10 @@ class GemmModule(FP8Module, TensorParallelMixin):
                 f"{type(self).__name__}: FP8 GEMMs need in and out features that are multiples of 16 (TE's rule; "
                 f"any token count is fine), got a weight of {tuple(weight.shape)} on this rank; use such sizes or run "
                 "this layer outside fp8_autocast")
-        if frame is not None and frame.enabled and frame.recipe.scaling == "block" and par.ub is not None:
-            raise ValueError(f"{type(self).__name__}: comm-GEMM overlap (ub_*) runs with per-tensor recipes (DelayedScaling, "
-                             f"Float8CurrentScaling), not Float8BlockScaling; turn the ub_* flags off for block scaling")
+        if frame is not None and frame.enabled and not frame.quantizers.per_tensor and par.ub is not None:
+            raise ValueError(f"{type(self).__name__}: comm-GEMM overlap (ub_*) runs with per-tensor recipes "
+                             f"(DelayedScaling, Float8CurrentScaling), not {type(frame.recipe).__name__}; turn the ub_* "
+                             f"flags off for it")
         fp8 = self._gemm_fp8(frame, gemm, weights, weight, is_first_microbatch, par.amax_group)
         targets = params.wgrad_targets(self) if self.fuse_wgrad_accumulation else None
         return weight, bias, GemmPlan(fp8, targets, par, torch.is_grad_enabled())
@@ -463,14 +458,14 @@ def norm_to_fp8(module: nn.Module, inp: torch.Tensor, weight: torch.Tensor, plan
     """(carrier, FP8 norm output) where the norm can write the first GEMM's FP8 input itself (one
     native pass: norm, cast, its transposed copy for wgrad, amax), else None.
 
-    The case: that GEMM casts its input on this rank under delayed scaling (the scale is known before
-    the pass; current scaling needs the output's amax first), no gather or comm-GEMM overlap of the
-    input, the norm output not returned, the native kernels usable (CUDA, not compiling). The carrier
-    ([tokens, hidden], no storage) goes to the GEMM's Function as its input and brings the norm's
-    output gradient back to the norm's backward (te_parallel.ops.norm.layer_norm_fp8)."""
+    The case: that GEMM casts its input on this rank with a scale known before the pass (delayed
+    scaling; current scaling needs the output's amax first, block scaling each tile's), no gather or
+    comm-GEMM overlap of the input, the norm output not returned, the native kernels usable (CUDA, not
+    compiling). The carrier ([tokens, hidden], no storage) goes to the GEMM's Function as its input and
+    brings the norm's output gradient back to the norm's backward (te_parallel.ops.norm.layer_norm_fp8)."""
     fp8, targets, par, grad = plan.fp8, plan.targets, plan.par, plan.grad
-    if (fp8 is None or not fp8.compute or not fp8.delayed or par.gathers_input or par.overlap_fprop
-            or module.return_layernorm_output):
+    if (fp8 is None or not fp8.compute or not fp8.quantizers.input.scale_known_before_cast or par.gathers_input
+            or par.overlap_fprop or module.return_layernorm_output):
         return None
     if not fp8_norm_fused(inp, module.layer_norm_weight, module.layer_norm_bias):
         return None
@@ -478,7 +473,7 @@ def norm_to_fp8(module: nn.Module, inp: torch.Tensor, weight: torch.Tensor, plan
     scale, amax = fp8.input_scale()
     need_wgrad = grad and (weight.requires_grad or bool(targets))
     x_q, carrier = norm_fp8(module.normalization, inp, norm_weight, norm_bias, module.eps, module.zero_centered_gamma,
-                            scale=scale, fp8_dtype=fp8.recipe.fp8_format.fwd_dtype, amax_out=amax,
+                            scale=scale, fp8_dtype=fp8.quantizers.input.fp8_dtype, amax_out=amax,
                             transpose=need_wgrad)
     return carrier, x_q
 

@@ -149,10 +149,12 @@ class Linear(GemmModule):
         or tracing; a recipe on the native GEMM; a high-precision weight; an input of the weight's dtype that
         the op takes (contiguous, M, K, N multiples of 16). The same casts, scales, amax records and saved
         operands as the general path (_linear_forward), at a fraction of its host time (docs/benchmarks.md,
-        "Host time"). None where the case is another (the general path runs it)."""
+        "Host time"). Recipes whose fprop operands the op makes (GemmQuantizers.native_fprop). None where the
+        case is another (the general path runs it)."""
         recipe, params = frame.recipe, self._params
-        if (recipe.min_fp8_gemm or recipe.scaling == "block" or self.tp_size != 1 or self.ub is not None or self.fuse_wgrad_accumulation
-                or self.return_bias or not self._tp_checked or len(params.weight_names) != 1
+        if (recipe.min_fp8_gemm or not frame.quantizers.native_fprop or self.tp_size != 1 or self.ub is not None
+                or self.fuse_wgrad_accumulation or self.return_bias or not self._tp_checked
+                or len(params.weight_names) != 1
                 or recipe.fp8_gemm_fprop.backend != "native" or _autocast.checkpoint_stash() is not None
                 or torch.is_autocast_enabled("cuda")):
             return None

@@ -7,10 +7,11 @@ gathers the weight or from a DTensor parameter), and casts with the same `quanti
 so an FP8 weight holds exactly the bytes a high-precision weight would be cast to with that scale.
 `weight_operand` hands the bytes to a GEMM; `cat_fp8_weights` joins the pieces of a split weight.
 
-Under Float8BlockScaling the quantizer encodes each value in the recipe's weight blocks (128x128, or
-1x128 tiles with w_block_scaling_dim=1) with `quantize_blockwise` and the recipe's QParams (power-of-two
-scales, amax epsilon), the cast the GEMMs use for a high-precision weight: each block's scale comes from
-its own amax, so there is no scale to choose, share or agree on across ranks.
+The recipe's weight quantizer (te_parallel.fp8.gemm_quantizers) says what kind of weight this is: one
+scale per tensor, kept in the module's scaling state (`has_state`, delayed scaling) or from the value's
+amax; or scales per tile / block (`granularity`, block scaling), where the weight quantizer's own cast
+(the recipe's blocks and QParams) encodes each value, so each block's scale comes from its own amax
+and there is no scale to choose, share or agree on across ranks.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise
+from te_parallel.fp8.blockwise import BlockwiseTensor
+from te_parallel.fp8.gemm_quantizers import gemm_quantizers
 from te_parallel.fp8.params import BlockLayout, Float8Weight
 from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.state import FP8ScalingState
@@ -34,9 +36,10 @@ class WeightQuantizer:
 
     def __init__(self, module: torch.nn.Module, gemm: int, recipe: Recipe) -> None:
         self.module, self.gemm, self.recipe = module, gemm, recipe
-        self.fp8_dtype = recipe.fp8_format.fwd_dtype
-        # block scaling: 1 (1x128 tiles) or 2 (128x128 blocks), 0 for one scale per tensor
-        self.block_dim = recipe.block_dim("w") if recipe.scaling == "block" else 0
+        self.quantizer = gemm_quantizers(recipe).weight  # the recipe's cast of a GEMM's weight
+        self.fp8_dtype = self.quantizer.fp8_dtype
+        # 1 (1x128 tiles) or 2 (128x128 blocks), 0 for one scale per tensor
+        self.block_dim = self.quantizer.granularity.block_dim
         self.shard_group: Optional[dist.ProcessGroup] = None  # FSDP2's: the ranks holding dim-0 shards
         self._scales_by_device: Dict[torch.device, torch.Tensor] = {}
 
@@ -54,7 +57,7 @@ class WeightQuantizer:
         if self.shard_group is not None:
             return
         self.shard_group = group
-        if scales is None or self.recipe.delayed():
+        if scales is None or self.quantizer.has_state:
             return
         both = torch.stack([scales[1], -scales[1]]).reshape(2)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
@@ -84,7 +87,7 @@ class WeightQuantizer:
         scale in the module's FP8 state, the amax recorded there (as the forward's cast of a
         high-precision weight records it). Current scaling: fp8_max / amax. keep: the pieces' shared
         [scale, scale_inv] when only some pieces are written: their scale stays."""
-        if self.recipe.delayed():
+        if self.quantizer.has_state:
             state: FP8ScalingState = self.module._modules["fp8_state"]
             scale, cell = state.slot_views(False, FP8ScalingState.weight_slot(self.gemm))
             torch.maximum(cell, amax.reshape(1).to(cell.device), out=cell)
@@ -101,9 +104,7 @@ class WeightQuantizer:
         blocks; scale_inv (the blocks of those rows, in the GEMM's layout) = the blocks' scale_inv."""
         if value.numel() == 0:
             return
-        qp = self.recipe.qparams("w")
-        q = quantize_blockwise(value.reshape(-1, value.shape[-1]).contiguous(), data.dtype, self.block_dim,
-                               pow2=qp.power_2_scale, eps=qp.amax_epsilon)
+        q = self.quantizer.quantize_blocks(value.reshape(-1, value.shape[-1]).contiguous())
         data.copy_(q.data.view(data.shape))
         scale_inv.copy_(q.scale_inv)
 
@@ -127,11 +128,11 @@ def weight_operand(owner: str, weight: Float8Weight, recipe: Recipe):
     """The GEMM operand of an FP8 weight parameter: its bytes and scale_inv, no cast (a Float8Tensor; under
     block scaling a BlockwiseTensor). The autocast recipe must be of the kind, forward format and weight
     block shape the weight was built for (its scales are chosen by that kind)."""
-    blocks = weight._blocks
+    blocks, wq = weight._blocks, gemm_quantizers(recipe).weight
     built_dim = 0 if blocks is None else blocks.block_dim
-    run_dim = recipe.block_dim("w") if recipe.scaling == "block" else 0
+    run_dim = wq.granularity.block_dim
     q = weight._quantizer
-    kind_differs = built_dim != run_dim or (q is not None and q.recipe.delayed() != recipe.delayed())
+    kind_differs = built_dim != run_dim or (q is not None and type(q.quantizer) is not type(wq))
     if weight.fp8_dtype != recipe.fp8_format.fwd_dtype or kind_differs:
         running = _kind(type(recipe).__name__, run_dim)
         raise ValueError(f"{owner}: its FP8 weights were built for {_built_for(weight)} with {weight.fp8_dtype} and "
@@ -139,24 +140,22 @@ def weight_operand(owner: str, weight: Float8Weight, recipe: Recipe):
                          f"quantized_model_init(recipe=...) with the recipe it runs with")
     data = weight._data if weight._data.dim() == 2 else weight._data.reshape(weight.shape[0], -1)
     if blocks is not None:
-        return _block_operand(weight, data, recipe)
+        return _block_operand(weight, data, wq)
     # scale_inv sits 4 bytes into the shared [scale, scale_inv] pair; cuBLASLt takes a scale pointer only
     # at an aligned address, so the GEMM gets its own copy (one 4-byte copy per forward)
     return Float8Tensor(data, weight._scales[1].clone())
 
 
-def _block_operand(weight: Float8Weight, data: torch.Tensor, recipe: Recipe) -> BlockwiseTensor:
+def _block_operand(weight: Float8Weight, data: torch.Tensor, wq) -> BlockwiseTensor:
     """The rowwise bytes [N, K] and their blocks' scale_inv, as stored (no copy for a whole weight). dgrad
     of 128x128 blocks reads the transposed bytes (square blocks: exact). 1x128 tiles along K cannot give
     dgrad's tiles along N: when a backward will run, the columnwise direction is quantized now from the
-    weight's value with the recipe's QParams, as the cast of a high-precision weight holding that value makes it."""
+    weight's value by the weight quantizer `wq`, as the cast of a high-precision weight holding that value makes it."""
     dim = weight._blocks.block_dim
     scale_inv = weight._tiles().contiguous()
     data_t = scale_inv_t = None
     if dim == 1 and torch.is_grad_enabled() and weight.requires_grad:
-        qp = recipe.qparams("w")
-        cols = quantize_blockwise(weight.dequantize().reshape(data.shape), data.dtype, 1, rowwise=False,
-                                  columnwise=True, pow2=qp.power_2_scale, eps=qp.amax_epsilon)
+        cols = wq.quantize_blocks(weight.dequantize().reshape(data.shape), rowwise=False, columnwise=True)
         data_t, scale_inv_t = cols.data_t, cols.scale_inv_t
     return BlockwiseTensor(data.contiguous(), scale_inv, data_t, scale_inv_t, dim, data.dtype, data.shape)
 

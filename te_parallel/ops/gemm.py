@@ -235,7 +235,7 @@ def _rows_operand_b(w: BlockwiseTensor):
 def _cols_operand_b(w):
     """B [N, K] column-major from w [N, K]'s columnwise direction: dgrad's W (its transposed bytes) and
     wgrad's x. A weight whose columnwise bytes are made from the high-precision values in backward comes
-    as a source that makes them (ops.fp8_gemm_config.BlockWeightSource)."""
+    as a source that makes them (fp8.gemm_quantizers.BlockWeightSource)."""
     if not isinstance(w, BlockwiseTensor):
         w = w.with_transpose()
     data_t = w.transposed()

@@ -25,8 +25,10 @@ import torch.distributed as dist
 from te_parallel.fp8.blockwise import BLOCK, quantize_blockwise
 from te_parallel.fp8.scaling import current_scale_torch
 from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.ops import grouped_cast
 from te_parallel.ops.cast import amax_of, quantize, quantize_current
 from te_parallel.ops.fp8_gemm_config import _reduce_amax, _spans_ranks
+from te_parallel.ops.fp8_transpose import transposed_copy
 from te_parallel.recipe import Recipe, fp8_max
 
 _CAST_CHUNK = 1 << 24  # elements per step of the per-expert weight cast (a 64 MiB fp32 temporary)
@@ -45,8 +47,9 @@ class GroupedFloat8Weight:
         return self.data.dtype
 
     def transposed(self) -> torch.Tensor:
-        """[G, K, N] contiguous: each expert's Wᵀ bytes (what dgrad reads as a column-major W[g]), made on use."""
-        return self.data.transpose(1, 2).contiguous()
+        """[G, K, N] contiguous: each expert's Wᵀ bytes (what dgrad reads as a column-major W[g]), made on use
+        (ops.fp8_transpose: one coalesced kernel on CUDA)."""
+        return transposed_copy(self.data)
 
     def dequantize(self) -> torch.Tensor:
         return self.data.to(torch.float32) * self.scale_inv.reshape(-1, 1, 1)
@@ -74,8 +77,8 @@ class GroupedBlockWeight:
 
     def cols_operand_b(self):
         """dgrad's B: (W[g] [G, N, K], each column-major from the columnwise bytes; its scales; block dim)."""
-        if self.block_dim == 2:
-            return self.data.transpose(1, 2).contiguous().transpose(1, 2), self.scale_inv, 2
+        if self.block_dim == 2:  # the blocks are square: Wᵀ's bytes, made on use, with the same scales
+            return transposed_copy(self.data).transpose(1, 2), self.scale_inv, 2
         return self.data_t.transpose(1, 2), self.scale_inv_t, 1
 
     def dequantize(self) -> torch.Tensor:
@@ -124,17 +127,28 @@ def expert_amax(w3: torch.Tensor) -> torch.Tensor:
 
 def quantize_grouped(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> GroupedFloat8Weight:
     """W [G, N, K] cast with one scale per expert ([G] fp32): the per-expert form of ops.cast.quantize, bytes
-    fp8(clamp(fp32(w) · scale_g)). Row chunks of at most _CAST_CHUNK elements bound the fp32 temporary."""
+    fp8(clamp(fp32(w) · scale_g)). On CUDA one kernel (ops.grouped_cast); elsewhere `quantize_grouped_reference`."""
+    scale = scale.detach().to(torch.float32)
+    w3 = w3.detach()
+    if grouped_cast.usable(w3):
+        data = grouped_cast.quantize_experts(w3, scale, fp8_dtype)
+    else:
+        data = quantize_grouped_reference(w3, scale, fp8_dtype)
+    return GroupedFloat8Weight(data, torch.reciprocal(scale), scale.clone())
+
+
+def quantize_grouped_reference(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """quantize_grouped's bytes [G, N, K] in torch ops: row chunks of at most _CAST_CHUNK elements bound the fp32
+    temporary."""
     g, n, k = w3.shape
     limit = fp8_max(fp8_dtype)
-    scale = scale.detach().to(torch.float32)
     data = torch.empty((g, n, k), dtype=fp8_dtype, device=w3.device)
-    rows_in, rows_out = w3.detach().reshape(g * n, k), data.view(g * n, k)
-    row_scale = scale.repeat_interleave(n).unsqueeze(1)  # [G·N, 1]
+    rows_in, rows_out = w3.reshape(g * n, k), data.view(g * n, k)
+    row_scale = scale.to(torch.float32).repeat_interleave(n).unsqueeze(1)  # [G·N, 1]
     step = max(_CAST_CHUNK // max(k, 1), 1)
     for r in range(0, g * n, step):
         rows_out[r:r + step] = (rows_in[r:r + step].to(torch.float32) * row_scale[r:r + step]).clamp_(-limit, limit)
-    return GroupedFloat8Weight(data, torch.reciprocal(scale), scale.clone())
+    return data
 
 
 @dataclass(slots=True)
@@ -151,6 +165,13 @@ class GroupedFP8:
     # delayed scaling: called after the backward cast (te_parallel.fp8.autocast.record_backward)
     backward_done: Optional[Callable[[], None]] = None
     gemm: int = 0  # the weight cache's key
+
+    @property
+    def quantizers(self):
+        """The recipe's quantizer of each operand kind (te_parallel.fp8.gemm_quantizers; the weight cache's key)."""
+        from te_parallel.fp8.gemm_quantizers import gemm_quantizers
+
+        return gemm_quantizers(self.recipe)
 
     @property
     def delayed(self) -> bool:

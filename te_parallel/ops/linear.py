@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from te_parallel.fp8.blockwise import BLOCK, BlockwiseTensor
+from te_parallel.fp8.gemm_quantizers import BlockWeightSource, WeightSource
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import gemm
 from te_parallel.ops import linear_overlap as ov
-from te_parallel.ops.fp8_gemm_config import BlockWeightSource, WeightSource
 from te_parallel.parallel.collectives import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from te_parallel.parallel.groups import group_size
 
@@ -161,8 +161,9 @@ def block_gather_ok(fp8, rows: int) -> bool:
     return rows % BLOCK == 0
 
 
-def _is_block(fp8) -> bool:
-    return fp8 is not None and fp8.compute and fp8.recipe.scaling == "block"
+def _is_tiled(fp8) -> bool:
+    """An FP8 GEMM whose input and gradient carry scales per tile (GemmFP8.tiled)."""
+    return fp8 is not None and fp8.compute and fp8.tiled
 
 
 def _mm(fp8, which: str):
@@ -237,12 +238,11 @@ def linear_fwd(x2d: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional
     need_wgrad = grad and (weight.requires_grad or bool(wgrad_targets))
     # Gather FP8 bytes (cast first) unless told to gather high precision (kept to measure the saving).
     regather = gathers and (par.fp8_gather or fp8 is None or not fp8.compute or overlap)
-    block = _is_block(fp8)
-    if block and regather and not block_gather_ok(fp8, x2d.shape[0]):
+    if regather and _is_tiled(fp8) and not block_gather_ok(fp8, x2d.shape[0]):
         regather = False
     fused = None
     if x_q is None and accumulate is None and fp8 is not None and fp8.compute and not (gathers or overlap or row) \
-            and (fp8.delayed or not par.active):
+            and (fp8.quantizers.input.scale_known_before_cast or not par.active):
         # one rank's cast + GEMM in one native call (the host path of small layers); None where it cannot
         fused = fp8.fused_fprop(x2d, bias, transpose=need_wgrad)
     if fused is not None:
@@ -283,7 +283,7 @@ def _fprop_operands(x2d, weight, fp8, par: LinearParallel, act_dtype, x_q, need_
     if fp8 is not None and fp8.compute:
         # xᵀ for wgrad from the same pass, unless the gathered x is transposed in backward (block scaling:
         # its columnwise tiles come from this cast, and backward gathers them)
-        transpose = need_wgrad and (not regather or _is_block(fp8))
+        transpose = need_wgrad and (not regather or _is_tiled(fp8))
         return fp8.cast_input(x2d, transpose=transpose, amax_group=par.amax_group), fp8.weight
     if fp8 is not None:
         fp8.record_amax(x2d, backward=False)
@@ -325,7 +325,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
     if dx_rows is not None and (par.overlap_dgrad or (par.active and par.mode == "column") or not need_dx):
         raise ValueError("linear_bwd: dx_rows needs dx without a cross-rank reduction or dgrad overlap")
     gathered = False
-    if dy_q is None and _is_block(fp8) and par.gathers_grad and not block_gather_ok(fp8, dy2d.shape[0]):
+    if dy_q is None and _is_tiled(fp8) and par.gathers_grad and not block_gather_ok(fp8, dy2d.shape[0]):
         dy2d, gathered = _gather(dy2d, par.group)[0], True  # (the tiles of a shard would not be the whole's)
         if need_dbias:  # (of the whole sequence: no sum across ranks after)
             dbias = dy2d.sum(0)
@@ -336,7 +336,7 @@ def linear_bwd(s: LinearSaved, dy2d: Optional[torch.Tensor], need_dx: bool, need
         # dyᵀ for wgrad and the bias gradient from the cast's read of dy (the gathered dy, if any,
         # is transposed after the gather)
         dbias = dy2d.new_empty(dy2d.shape[1]) if need_dbias else dbias
-        transpose = need_dw and (not par.gathers_grad or _is_block(fp8))
+        transpose = need_dw and (not par.gathers_grad or _is_tiled(fp8))
         dy = fp8.cast_grad(dy2d, transpose=transpose, amax_group=par.amax_group,
                            dbias_out=dbias if need_dbias else None)
     else:

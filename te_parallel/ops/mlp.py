@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from te_parallel.fp8.blockwise import BlockwiseTensor
+from te_parallel.fp8.gemm_quantizers import Granularity
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.native import activation as native_act
 from te_parallel.ops import activation as _act
@@ -67,9 +68,9 @@ def can_fuse(name: str, x: torch.Tensor) -> bool:
 
 def fp8_activation(fc1: Optional[GemmFP8], fc2: Optional[GemmFP8]) -> bool:
     """True when the activation kernels cast fc2's input and fc1's output gradient themselves: both
-    GEMMs in FP8 under delayed scaling."""
-    return (fc1 is not None and fc2 is not None and fc1.compute and fc2.compute and fc1.delayed
-            and fc2.delayed)
+    GEMMs in FP8 with per-tensor scales known before the casts (delayed scaling)."""
+    return (fc1 is not None and fc2 is not None and fc1.compute and fc2.compute
+            and fc1.quantizers.grad.scale_known_before_cast and fc2.quantizers.input.scale_known_before_cast)
 
 
 def _chunk_rows(h: torch.Tensor, s2, fc2_in: int, chunk_bytes: int) -> Optional[int]:
@@ -92,11 +93,14 @@ def _chunk_rows(h: torch.Tensor, s2, fc2_in: int, chunk_bytes: int) -> Optional[
 
 
 def _two_pass_fp8(name: str, h: torch.Tensor, fc2: Optional[GemmFP8], fc2_par: LinearParallel) -> bool:
-    """fc2 casts its input under current scaling and the kernels can run: the activation is computed
-    twice, once for the amax and once straight to FP8, instead of writing act(h) in high precision and
-    reading it twice (amax, cast). Not when fc2's input is gathered (fc2 is row-parallel: it never is)."""
-    return (fc2 is not None and fc2.compute and fc2.recipe.scaling == "current" and not fc2_par.gathers_input
-            and native_act.usable(name, h))
+    """fc2 casts its input with one scale computed from the tensor (current scaling) and the kernels can run:
+    the activation is computed twice, once for the amax and once straight to FP8, instead of writing act(h) in
+    high precision and reading it twice (amax, cast). Not when fc2's input is gathered (fc2 is row-parallel:
+    it never is)."""
+    if fc2 is None or not fc2.compute or fc2_par.gathers_input:
+        return False
+    q = fc2.quantizers.input
+    return q.granularity is Granularity.TENSOR and q.scale_from_amax and native_act.usable(name, h)
 
 
 def _act_forward(name: str, h: torch.Tensor) -> torch.Tensor:
@@ -240,7 +244,7 @@ class _ActivationGradRows:
         if not self.fp8_act:
             self.g = h if self.in_place else torch.empty_like(h)
             return
-        dtype = self.fp8_1.recipe.fp8_format.bwd_dtype
+        dtype = self.fp8_1.quantizers.grad.fp8_dtype
         self.spent = _spent_h_bytes(h, dtype) if self.in_place else None
         if self.spent is None:
             self.g = torch.empty(h.shape, dtype=dtype, device=h.device)

@@ -1,0 +1,342 @@
+"""The quantizers of the GEMM modules: what a recipe does to each GEMM operand, behind one interface.
+
+A recipe makes a `GemmQuantizers`: one `OperandQuantizer` per operand kind of a linear layer's GEMMs,
+
+    fprop  y  = x · Wᵀ    input (x), weight (W)
+    dgrad  dx = dy · W    grad (dy), weight (Wᵀ)
+    wgrad  dW = dyᵀ · x   grad (dyᵀ), input (xᵀ)
+
+Each quantizer turns a high-precision tensor into the GEMM operand of its granularity (per tensor:
+fp8.tensor.Float8Tensor; 1x128 tiles or 128x128 blocks: fp8.blockwise.BlockwiseTensor), with the
+transposed copy / columnwise tiles that wgrad (and a tiled weight's dgrad) reads, from one read of the
+source. The code around the GEMMs asks a quantizer what it needs to know, never which recipe made it:
+
+* `granularity`: where the scales sit (Granularity); the GEMMs dispatch on the pair of their operands'.
+* `scale_known_before_cast`: the scale exists before the tensor is read, so a producer (the norm, the
+  activation kernel) can write the FP8 operand in its own pass (`scale_cell`).
+* `scale_from_amax`: the scale is fp8_max / amax(tensor) (the amax all-reduced over the split GEMM's
+  ranks), as ops.cast.quantize_current computes it, so a kernel that computes the amax itself (the one-call
+  native Linear, the MLP activation's two passes) may cast in the quantizer's place.
+* `has_state`: scales and amax histories live in the module's FP8ScalingState and are updated after each
+  pass (the module registers the pending update with the autocast region).
+
+Families: `DelayedScalingQuantizer` (per tensor, scale from the amax history of earlier passes),
+`CurrentScalingQuantizer` (per tensor, scale from the tensor's own amax), `BlockScalingQuantizer` (one
+scale per tile or block, each from its own amax). All of them cast through ops.cast and
+fp8.blockwise, the casts TE's public quantizers (fp8.quantizers) use.
+
+A recipe type maps to its family through `register_recipe` (the extension point: docs/architecture.md,
+"Adding a scaling recipe"); `gemm_quantizers(recipe)` makes a recipe's set once and returns the same
+objects for the same recipe object (the autocast region holds them for its forward).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise
+from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.fp8.tensor import Float8Tensor
+from te_parallel.ops import cast as _cast
+from te_parallel.parallel.groups import group_size
+from te_parallel.recipe import (UNSUPPORTED_SCALING, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, QParams,
+                                Recipe)
+
+__all__ = ["Granularity", "OperandQuantizer", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
+           "BlockScalingQuantizer", "GemmQuantizers", "register_recipe", "gemm_quantizers", "WeightSource",
+           "BlockWeightSource"]
+
+
+class Granularity(enum.Enum):
+    """Where an operand's scales sit. The value is the block dim of Float8BlockScaling (0: per tensor)."""
+
+    TENSOR = 0         # one scale for the whole tensor
+    TILE_1x128 = 1     # one per 128 consecutive elements of a row (and of a column, columnwise)
+    BLOCK_128x128 = 2  # one per 128x128 block
+
+    @property
+    def block_dim(self) -> int:
+        return self.value
+
+
+class OperandQuantizer:
+    """The cast of one operand kind ("x": GEMM input, "w": weight, "grad": output gradient) of a recipe.
+
+    `cfg` in the methods is the GemmFP8 of the GEMM being run: it carries the per-call state a quantizer
+    with `has_state` reads (the module's FP8ScalingState, the GEMM's index, a recompute's forward scales).
+    """
+
+    __slots__ = ("role", "fp8_dtype", "backward", "granularity", "cache_key")
+    scale_known_before_cast: ClassVar[bool] = False
+    scale_from_amax: ClassVar[bool] = False
+    has_state: ClassVar[bool] = False
+
+    def __init__(self, role: str, fp8_dtype: torch.dtype, granularity: Granularity = Granularity.TENSOR) -> None:
+        if role not in ("x", "w", "grad"):
+            raise ValueError(f"{type(self).__name__}: role must be 'x', 'w' or 'grad', got {role!r}")
+        self.role, self.fp8_dtype, self.backward = role, fp8_dtype, role == "grad"
+        self.granularity = granularity
+        # what a cached cast of this operand depends on besides the values and the FP8 dtype
+        self.cache_key = (type(self).__name__, granularity)
+
+    def quantize(self, x: torch.Tensor, cfg, transpose: bool = False, amax_group=None, dbias_out=None,
+                 keep_scale: bool = False):
+        """x [M, K] as a GEMM operand. transpose: also the columnwise direction (xᵀ / dyᵀ for wgrad).
+        amax_group: the ranks over which a scale computed from the tensor is agreed (all-reduce MAX).
+        dbias_out: receives the column sums of x (fp32 accumulation). keep_scale: a per-tensor operand
+        keeps a snapshot of its scale (the weight: backward re-encodes Wᵀ with it)."""
+        raise NotImplementedError(f"{type(self).__name__}.quantize")
+
+    def scale_cell(self, cfg) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(scale, amax cell or None) of a cast whose scale is known before it (scale_known_before_cast):
+        what a producer that writes the FP8 operand in its own pass takes."""
+        raise TypeError(f"{type(self).__name__}: the scale is computed from the tensor itself, not known before the "
+                        f"cast (check scale_known_before_cast)")
+
+    def record_amax(self, x: torch.Tensor, cfg) -> None:
+        """Calibration (GEMMs in high precision): record the amax this cast would have recorded."""
+
+    def backward_source(self, w, weight_src: Optional[torch.Tensor]):
+        """What backward keeps of this GEMM's quantized weight `w`: w itself, or (weight_src given: the module
+        does not keep W) a source that re-encodes dgrad's direction from the high-precision weight."""
+        return w
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role!r}, fp8_dtype={self.fp8_dtype}, {self.granularity.name})"
+
+
+class _PerTensorQuantizer(OperandQuantizer):
+    __slots__ = ()
+
+    def backward_source(self, w, weight_src):
+        if weight_src is None or w.scale is None:
+            return w
+        return WeightSource(weight_src, w.scale, w.scale_inv, w.fp8_dtype)
+
+
+class DelayedScalingQuantizer(_PerTensorQuantizer):
+    """Per-tensor scale from the amax history (DelayedScaling). The scale of this pass is the one the last
+    update computed, so it is known before the cast; the cast records the tensor's amax into row 0 of the
+    history, folded into the next update (after the outermost autocast region, or at the end of backward)."""
+
+    __slots__ = ()
+    scale_known_before_cast = True
+    has_state = True
+
+    def _slot(self, gemm: int) -> int:
+        if self.backward:
+            return gemm
+        return FP8ScalingState.input_slot(gemm) if self.role == "x" else FP8ScalingState.weight_slot(gemm)
+
+    def scale_cell(self, cfg):
+        slot, backward = self._slot(cfg.gemm), self.backward
+        scale, cell = cfg.state.slot_views(backward, slot)
+        if cfg.fwd_scale is not None and not backward:  # recompute: the original pass's scales
+            scale = cfg.fwd_scale[slot]
+        return scale, cell if (cfg.record or backward) else None
+
+    def quantize(self, x, cfg, transpose=False, amax_group=None, dbias_out=None, keep_scale=False):
+        scale, amax_out = self.scale_cell(cfg)
+        return _cast.quantize(x, scale, self.fp8_dtype, amax_out=amax_out, transpose=transpose, dbias_out=dbias_out,
+                              keep_scale=keep_scale)
+
+    def record_amax(self, x, cfg) -> None:
+        if cfg.record or self.backward:
+            cell = cfg.state.slot_views(self.backward, self._slot(cfg.gemm))[1]
+            torch.maximum(cell, _cast.amax_of(x).view(1), out=cell)
+
+
+class CurrentScalingQuantizer(_PerTensorQuantizer):
+    """Per-tensor scale from the tensor's own amax, just before the cast (Float8CurrentScaling); the amax of
+    an operand of a split GEMM is all-reduced first, so that every rank encodes with the same scale."""
+
+    __slots__ = ()
+    scale_from_amax = True  # (a subclass with another cast sets it False)
+
+    def quantize(self, x, cfg, transpose=False, amax_group=None, dbias_out=None, keep_scale=False):
+        amax = reduce_amax(_cast.amax_of(x), amax_group) if spans_ranks(amax_group) else None
+        return _cast.quantize_current(x, self.fp8_dtype, amax=amax, transpose=transpose, dbias_out=dbias_out,
+                                      keep_scale=keep_scale)
+
+
+class BlockScalingQuantizer(OperandQuantizer):
+    """One scale per 1x128 tile or 128x128 block, each from its own amax (Float8BlockScaling). No state, and
+    nothing to agree on across ranks: a tile's scale travels with its bytes. The columnwise direction of a
+    tiled operand is quantized from the source (tiles along the other dim), not transposed from the bytes."""
+
+    __slots__ = ("qparams",)
+
+    def __init__(self, role: str, fp8_dtype: torch.dtype, block_dim: int, qparams: QParams) -> None:
+        if block_dim not in (1, 2):
+            raise ValueError(f"BlockScalingQuantizer: block_dim must be 1 (1x128) or 2 (128x128), got {block_dim!r}")
+        super().__init__(role, fp8_dtype, Granularity(block_dim))
+        self.qparams = qparams
+
+    def quantize(self, x, cfg=None, transpose=False, amax_group=None, dbias_out=None, keep_scale=False):
+        if dbias_out is not None:
+            dbias_out.copy_(x.sum(0, dtype=torch.float32))
+        # (a 1x128-tiled weight: dgrad reads its tiles along N, made now with the rowwise ones)
+        columnwise = transpose or (self.role == "w" and self.granularity is Granularity.TILE_1x128)
+        return self.quantize_blocks(x, rowwise=True, columnwise=columnwise)
+
+    def quantize_blocks(self, x: torch.Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockwiseTensor:
+        """x [M, K] in this operand's tiles / blocks, the directions asked for."""
+        qp = self.qparams
+        return quantize_blockwise(x, self.fp8_dtype, self.granularity.block_dim, rowwise=rowwise,
+                                  columnwise=columnwise, pow2=qp.power_2_scale, eps=qp.amax_epsilon)
+
+    def backward_source(self, w, weight_src):
+        if weight_src is not None and w.data_t is None:
+            return BlockWeightSource(weight_src, w, self)
+        return w
+
+
+@dataclass(frozen=True, slots=True)
+class GemmQuantizers:
+    """A recipe's quantizer of each operand kind of a linear layer's GEMMs (module doc)."""
+
+    input: OperandQuantizer
+    weight: OperandQuantizer
+    grad: OperandQuantizer
+    # every operand has one scale per tensor (comm-GEMM overlap, the one-call native linear, FP8 gathers of
+    # bytes with one shared scale_inv take only these)
+    per_tensor: bool = field(init=False)
+    # some operand keeps state in the module's FP8ScalingState (its updates are registered with the region)
+    has_state: bool = field(init=False)
+    # the native one-call linear (te_parallel::linear_fp8_fwd: x cast with a given per-tensor scale, or with
+    # fp8_max / amax(x) computed inside) makes this recipe's fprop operands
+    native_fprop: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        ops = (self.input, self.weight, self.grad)
+        per_tensor = all(q.granularity is Granularity.TENSOR for q in ops)
+        object.__setattr__(self, "per_tensor", per_tensor)
+        object.__setattr__(self, "has_state", any(q.has_state for q in ops))
+        object.__setattr__(self, "native_fprop", per_tensor and (self.input.scale_known_before_cast
+                                                                 or self.input.scale_from_amax))
+
+
+def _delayed(recipe: DelayedScaling) -> GemmQuantizers:
+    fmt = recipe.fp8_format
+    return GemmQuantizers(DelayedScalingQuantizer("x", fmt.fwd_dtype), DelayedScalingQuantizer("w", fmt.fwd_dtype),
+                          DelayedScalingQuantizer("grad", fmt.bwd_dtype))
+
+
+def _current(recipe: Float8CurrentScaling) -> GemmQuantizers:
+    fmt = recipe.fp8_format
+    return GemmQuantizers(CurrentScalingQuantizer("x", fmt.fwd_dtype), CurrentScalingQuantizer("w", fmt.fwd_dtype),
+                          CurrentScalingQuantizer("grad", fmt.bwd_dtype))
+
+
+def _block(recipe: Float8BlockScaling) -> GemmQuantizers:
+    fmt = recipe.fp8_format
+
+    def q(role: str, dtype: torch.dtype) -> BlockScalingQuantizer:
+        return BlockScalingQuantizer(role, dtype, recipe.block_dim(role), recipe.qparams(role))
+
+    return GemmQuantizers(q("x", fmt.fwd_dtype), q("w", fmt.fwd_dtype), q("grad", fmt.bwd_dtype))
+
+
+# recipe type -> the function making its quantizers (a subclass of a registered recipe takes its base's)
+_FAMILIES: Dict[type, Callable[[Recipe], GemmQuantizers]] = {}
+# id(recipe) -> (recipe, its quantizers): made once per recipe object (recipes are frozen); the recipe is held
+# so that its id is not reused while the entry exists
+_MADE: Dict[int, Tuple[Recipe, GemmQuantizers]] = {}
+_MADE_MAX = 64
+
+
+def register_recipe(recipe_type: type, make: Callable[[Recipe], GemmQuantizers]) -> None:
+    """Make `recipe_type`'s GEMM quantizers with `make(recipe)` (the extension point of a new recipe)."""
+    if not (isinstance(recipe_type, type) and issubclass(recipe_type, Recipe)):
+        raise TypeError(f"register_recipe: recipe_type must be a subclass of te_parallel.recipe.Recipe, got "
+                        f"{recipe_type!r}")
+    _FAMILIES[recipe_type] = make
+    _MADE.clear()
+
+
+def gemm_quantizers(recipe: Recipe) -> GemmQuantizers:
+    """`recipe`'s GemmQuantizers (the same objects for the same recipe object)."""
+    hit = _MADE.get(id(recipe))
+    if hit is not None and hit[0] is recipe:
+        return hit[1]
+    make = next((_FAMILIES[t] for t in type(recipe).__mro__ if t in _FAMILIES), None)
+    if make is None:
+        what = UNSUPPORTED_SCALING.get(recipe.scaling, type(recipe).__name__)
+        raise NotImplementedError(f"fp8_autocast: {what} is not implemented in te_parallel; use DelayedScaling, "
+                                  f"Float8CurrentScaling or Float8BlockScaling")
+    made = make(recipe)
+    if len(_MADE) >= _MADE_MAX:
+        _MADE.clear()
+    _MADE[id(recipe)] = (recipe, made)
+    return made
+
+
+register_recipe(DelayedScaling, _delayed)
+register_recipe(Float8CurrentScaling, _current)
+register_recipe(Float8BlockScaling, _block)
+
+
+def spans_ranks(group) -> bool:
+    return group_size(group) > 1
+
+
+def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """Current scaling of an operand of a split GEMM: the max over the group's ranks (in place), so that
+    every rank encodes with the same scale."""
+    if spans_ranks(group):
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _check_unchanged(weight: torch.Tensor, version: int) -> None:
+    # (a version counter is not traceable: under torch.compile the check is eager's alone)
+    if not torch.compiler.is_compiling() and weight._version != version:
+        raise RuntimeError(
+            f"an FP8 weight of shape {tuple(weight.shape)} was modified in place between forward and backward "
+            f"(version {version} -> {weight._version}); update weights after backward")
+
+
+class WeightSource:
+    """Backward's handle on a per-tensor FP8 weight that was not kept after forward.
+
+    `with_transpose()` casts the high-precision weight again with the scale snapshot of the forward's
+    cast: the bytes are those of the forward's W, transposed (the cast is a pure function of source and
+    scale), written straight into the [K, N] layout dgrad reads. Costs one more read of the
+    high-precision weight in backward; saves holding every FP8 weight from forward to backward.
+    """
+
+    __slots__ = ("weight", "scale", "scale_inv", "fp8_dtype", "version")
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype):
+        self.weight, self.scale, self.scale_inv, self.fp8_dtype = weight, scale, scale_inv, fp8_dtype
+        self.version = weight._version
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def with_transpose(self) -> Float8Tensor:
+        _check_unchanged(self.weight, self.version)
+        q = _cast.quantize(self.weight.detach(), self.scale, self.fp8_dtype, transpose=True, rowwise=False)
+        return Float8Tensor(q.data, self.scale_inv, q.data_t)
+
+
+class BlockWeightSource:
+    """Backward's handle on a block-scaled FP8 weight that was not kept after forward: `with_transpose()`
+    quantizes the high-precision weight again, columnwise only. Block scales are a pure function of the
+    values, so the bytes are those of the forward's W, transposed (128x128 blocks) or tiled along the other
+    dim (1x128), written straight into the [K, N] layout dgrad reads."""
+
+    __slots__ = ("weight", "quantizer", "version", "shape", "fp8_dtype")
+
+    def __init__(self, weight: torch.Tensor, w: BlockwiseTensor, quantizer: BlockScalingQuantizer) -> None:
+        self.weight, self.quantizer, self.version = weight, quantizer, weight._version
+        self.shape, self.fp8_dtype = w.shape, w.fp8_dtype
+
+    def with_transpose(self) -> BlockwiseTensor:
+        _check_unchanged(self.weight, self.version)
+        return self.quantizer.quantize_blocks(self.weight.detach(), rowwise=False, columnwise=True)

@@ -1,0 +1,172 @@
+"""The GEMM modules' quantizers (te_parallel.fp8.gemm_quantizers): what each family declares, its casts
+against the fp64 references, the registry, and a recipe added through the registry alone."""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import te_parallel as te
+from te_parallel import recipe as R
+from te_parallel.fp8 import gemm_quantizers as GQ
+from te_parallel.fp8.blockwise import quantize_blockwise_reference
+from te_parallel.fp8.state import FP8ScalingState
+from te_parallel.ops.cast import dequantize_reference, quantize_reference
+from te_parallel.ops.fp8_gemm_config import GemmFP8
+from te_parallel.recipe import fp8_max
+
+
+def _cfg(recipe, state=None, gemm=0):
+    state = FP8ScalingState(1) if state is None else state
+    return GemmFP8(recipe, GQ.gemm_quantizers(recipe), state, gemm, None, True, None)
+
+
+def test_families_declare_what_the_gemm_path_asks():
+    d = GQ.gemm_quantizers(R.DelayedScaling())
+    c = GQ.gemm_quantizers(R.Float8CurrentScaling())
+    b = GQ.gemm_quantizers(R.Float8BlockScaling(w_block_scaling_dim=2))
+    assert [type(q) for q in (d.input, d.weight, d.grad)] == [GQ.DelayedScalingQuantizer] * 3
+    assert [type(q) for q in (c.input, c.weight, c.grad)] == [GQ.CurrentScalingQuantizer] * 3
+    assert (d.per_tensor, d.has_state, d.input.scale_known_before_cast) == (True, True, True)
+    assert (c.per_tensor, c.has_state, c.input.scale_known_before_cast) == (True, False, False)
+    assert (b.per_tensor, b.has_state, b.input.scale_known_before_cast) == (False, False, False)
+    assert (d.native_fprop, c.native_fprop, b.native_fprop) == (True, True, False)
+    assert (b.input.granularity, b.weight.granularity, b.grad.granularity) == (
+        GQ.Granularity.TILE_1x128, GQ.Granularity.BLOCK_128x128, GQ.Granularity.TILE_1x128)
+    # formats: forward operands in the forward dtype, gradients in the backward one
+    hybrid = GQ.gemm_quantizers(R.DelayedScaling(fp8_format=R.Format.HYBRID))
+    assert (hybrid.input.fp8_dtype, hybrid.weight.fp8_dtype, hybrid.grad.fp8_dtype) == (
+        torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2)
+    # cached weights of another family are not reused
+    assert len({d.weight.cache_key, c.weight.cache_key, b.weight.cache_key}) == 3
+
+
+def test_same_objects_for_the_same_recipe_object():
+    rec = R.Float8CurrentScaling()
+    assert GQ.gemm_quantizers(rec) is GQ.gemm_quantizers(rec)
+    assert GQ.gemm_quantizers(R.Float8CurrentScaling()) is not GQ.gemm_quantizers(rec)
+
+
+def test_unregistered_recipes_are_refused_in_one_line():
+    for rec in (R.MXFP8BlockScaling(), R.NVFP4BlockScaling()):
+        with pytest.raises(NotImplementedError) as e:
+            GQ.gemm_quantizers(rec)
+        assert "\n" not in str(e.value) and type(rec).__name__ in str(e.value)
+        assert "not implemented in te_parallel" in str(e.value)
+    with pytest.raises(TypeError, match="subclass of te_parallel.recipe.Recipe, got <class 'int'>"):
+        GQ.register_recipe(int, lambda r: None)
+    with pytest.raises(ValueError, match="role must be 'x', 'w' or 'grad', got 'y'"):
+        GQ.CurrentScalingQuantizer("y", torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="not known before the cast"):
+        GQ.CurrentScalingQuantizer("x", torch.float8_e4m3fn).scale_cell(None)
+
+
+def test_delayed_cast_uses_the_state_scale_and_records_the_amax(device):
+    rec = R.DelayedScaling()
+    state = FP8ScalingState(1, device=torch.device(device))
+    state.fwd_scale.fill_(4.0)
+    cfg = _cfg(rec, state)
+    x = torch.randn(64, 32, device=device) * 3
+    q = cfg.cast_input(x, transpose=True)
+    ref = quantize_reference(x, torch.tensor(4.0), torch.float8_e4m3fn)
+    assert torch.equal(q.data.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(q.data_t.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+    cell = state.slot_views(False, FP8ScalingState.input_slot(0))[1]
+    assert cell.item() == x.abs().max().item()
+    # the weight records into its own slot; calibration records what the cast would have
+    w = torch.randn(32, 32, device=device)
+    cfg.record_weight_amax(w)
+    assert state.slot_views(False, FP8ScalingState.weight_slot(0))[1].item() == w.abs().max().item()
+    dy = torch.randn(64, 32, device=device) * 7
+    cfg.record_amax(dy, backward=True)
+    assert state.slot_views(True, 0)[1].item() == dy.abs().max().item()
+
+
+def test_current_cast_scales_from_the_tensor(device):
+    x = torch.randn(48, 64, device=device, dtype=torch.float64).to(torch.float32) * 5
+    q = _cfg(R.Float8CurrentScaling()).cast_grad(x, transpose=False)
+    scale = torch.tensor(fp8_max(torch.float8_e5m2), dtype=torch.float64) / x.abs().max().double()
+    ref = quantize_reference(x, scale.float(), torch.float8_e5m2)
+    assert torch.equal(q.data.view(torch.uint8), ref.view(torch.uint8))
+    err = (dequantize_reference(q.data, q.scale_inv) - x.double()).norm() / x.double().norm()
+    assert 0 < err.item() < 0.1  # E5M2: 2 mantissa bits
+
+
+@pytest.mark.parametrize("w_dim", [1, 2])
+def test_block_casts_equal_the_reference(device, w_dim):
+    rec = R.Float8BlockScaling(w_block_scaling_dim=w_dim)
+    cfg = _cfg(rec)
+    x = torch.randn(256, 384, device=device)
+    qx = cfg.cast_input(x, transpose=True)
+    ref = quantize_blockwise_reference(x, torch.float8_e4m3fn, 1, rowwise=True, columnwise=True)
+    for got, want in ((qx.data, ref.data), (qx.scale_inv, ref.scale_inv), (qx.data_t, ref.data_t),
+                      (qx.scale_inv_t, ref.scale_inv_t)):
+        assert torch.equal(got.float(), want.float())
+    qw = cfg.quantize_weight(x)
+    ref_w = quantize_blockwise_reference(x, torch.float8_e4m3fn, w_dim, rowwise=True, columnwise=w_dim == 1)
+    assert torch.equal(qw.data.float(), ref_w.data.float()) and torch.equal(qw.scale_inv, ref_w.scale_inv)
+    assert (qw.data_t is None) == (w_dim == 2)  # a 1x128 weight's dgrad tiles come with the cast
+    # backward re-encodes an unkept weight's columnwise direction from the high-precision one: the same bytes
+    cfg.weight, cfg.weight_src = qw if w_dim == 2 else ref_w.only_columnwise(), x
+    src = cfg.weight_for_backward()
+    if w_dim == 2:
+        assert type(src) is GQ.BlockWeightSource
+        assert torch.equal(src.with_transpose().data_t.float(), qw.with_transpose().data_t.float())
+    dbias = torch.empty(384, device=device)
+    cfg.cast_grad(x, transpose=False, dbias_out=dbias)
+    torch.testing.assert_close(dbias.double(), x.double().sum(0), rtol=1e-5, atol=1e-4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ThirdRangeScaling(R.Recipe):
+    """A test recipe: current scaling that uses a third of the FP8 range (scale from 3 * amax)."""
+
+    scaling = "third_range"
+
+
+FACTOR = 3  # (not a power of two: the bytes differ from current scaling's)
+
+
+class _ThirdRangeQuantizer(GQ.CurrentScalingQuantizer):
+    __slots__ = ()
+    scale_from_amax = False  # (its scale is not fp8_max / amax: kernels computing that may not cast for it)
+
+    def quantize(self, x, cfg, transpose=False, amax_group=None, dbias_out=None, keep_scale=False):
+        from te_parallel.ops import cast
+        return cast.quantize_current(x, self.fp8_dtype, amax=FACTOR * cast.amax_of(x), transpose=transpose,
+                                     dbias_out=dbias_out, keep_scale=keep_scale)
+
+
+def _third_range(recipe):
+    fmt = recipe.fp8_format
+    return GQ.GemmQuantizers(_ThirdRangeQuantizer("x", fmt.fwd_dtype), _ThirdRangeQuantizer("w", fmt.fwd_dtype),
+                             _ThirdRangeQuantizer("grad", fmt.bwd_dtype))
+
+
+def test_a_registered_recipe_runs_the_modules(device, monkeypatch):
+    """A recipe added through the registry alone runs te.Linear forward and backward: its casts are the
+    ones used (checked against an fp64 model of them), and nothing else needed to know about it."""
+    monkeypatch.setattr(GQ, "_FAMILIES", dict(GQ._FAMILIES))
+    monkeypatch.setattr(GQ, "_MADE", {})
+    with pytest.raises(NotImplementedError, match="_ThirdRangeScaling"):
+        with te.fp8_autocast(fp8_recipe=_ThirdRangeScaling()):
+            pass
+    GQ.register_recipe(_ThirdRangeScaling, _third_range)
+    assert not GQ.gemm_quantizers(_ThirdRangeScaling()).native_fprop  # (the one-call CUDA Linear leaves it alone)
+    rec = _ThirdRangeScaling(fp8_format=R.Format.E4M3)
+    m = te.Linear(64, 32, bias=False, device=device)
+    x = torch.randn(16, 64, device=device, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=rec):
+        y = m(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    def fp8_third_range(t):  # the test recipe's quantization, in fp64
+        scale = torch.tensor(fp8_max(torch.float8_e4m3fn), dtype=torch.float64) / (FACTOR * t.abs().max().double())
+        return dequantize_reference(quantize_reference(t, scale.float(), torch.float8_e4m3fn),
+                                    torch.reciprocal(scale.float()))
+
+    w = m.weight.detach()
+    xq, wq, dyq = fp8_third_range(x.detach()), fp8_third_range(w), fp8_third_range(dy)
+    torch.testing.assert_close(y.double(), xq @ wq.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), dyq @ wq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.weight.grad.double(), dyq.t() @ xq, rtol=1e-5, atol=1e-5)
