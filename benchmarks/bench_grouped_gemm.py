@@ -14,8 +14,14 @@ busiest expert's, 4-6x the mean here; --align rounds each expert's rows to a mul
 * fprop y[rows_g] = x[rows_g] · W[g]ᵀ: torch._grouped_mm in bf16; the Triton kernel (kind "m", x in 1x128
   tiles, W in 128x128 blocks); block_mm (cuBLASLt's block-scaled GEMM) once per expert, the offsets read
   on the host beforehand (G launches: what a layer without a grouped kernel runs);
+* dgrad dx[rows_g] = dy[rows_g] · W[g] under per-tensor FP8 with HYBRID's E5M2 dy: torch._grouped_mm in bf16;
+  the Triton kernel with constant scales (ops.grouped_gemm's TRITON route, kind "m"); torch._scaled_grouped_mm
+  on an E4M3 dy (the Format.E4M3 route, for comparison);
 * wgrad dW[g] = dy[rows_g]ᵀ · x[rows_g]: torch._grouped_mm in bf16; the Triton kernel (kind "k", dy and x
-  in 1x128 tiles along the rows).
+  in 1x128 tiles along the rows); the same kernel with per-tensor scales (E5M2 dy, device-sized groups);
+* copies per step (GB/s over the bytes read and written; TFLOPS left empty): the experts' FP8 Wᵀ for dgrad by
+  torch's strided copy and by ops.fp8_transpose; the per-expert weight cast by its torch form and by
+  ops.grouped_cast.
 
 ms: median of back-to-back calls (common.time_interleaved: every row of a model timed in each round, clocks
 settled before each sample); TFLOPS = 2·M·N·K / time; vs_bf16 = the bf16 row's time / this row's.
@@ -109,6 +115,19 @@ def cases(shape: MoEShape, sizes: List[int]) -> Dict[str, Dict[str, Callable[[],
 
     wt = w.transpose(1, 2)  # [G, K, N]
     x_cols = xq.data_t.t()  # [M, K] column-major
+    # per-tensor FP8 operands: one scale per operand (per expert for W); dgrad's B = W[g] column-major (Wᵀ bytes)
+    from te_parallel.ops.fp8_transpose import transposed_copy
+    from te_parallel.ops.grouped_gemm import constant_block_scales
+
+    one = torch.ones((), device="cuda")
+    w8 = (w * 64).to(e4)  # [G, N, K]
+    w8_cols = transposed_copy(w8).transpose(1, 2)  # [G, N, K], each W[g] column-major
+    dy5, dy4 = dy.to(torch.float8_e5m2), dy.to(e4)
+    dy5_t, x8_cols = dy5.t().contiguous(), x.to(e4).t().contiguous().t()
+    per_w = torch.full((g,), 1 / 64, device="cuda")  # W's scale_inv: the values are w
+    dgrad_ops = constant_block_scales(dy5, one, w8_cols, per_w, "m")
+    wgrad_ops = constant_block_scales(dy5_t, one, x8_cols, one, "k")
+    scaled_dgrad = (one.expand(m).contiguous(), per_w.view(g, 1).expand(g, k).contiguous())
     return {
         "fprop": {
             "torch._grouped_mm bf16": lambda: torch._grouped_mm(x, wt, offs=offs),
@@ -116,11 +135,39 @@ def cases(shape: MoEShape, sizes: List[int]) -> Dict[str, Dict[str, Callable[[],
                                                                                torch.bfloat16, "m"),
             f"block_mm per expert ({g} cuBLASLt calls)": per_expert_block_mm,
         },
+        "dgrad": {
+            "torch._grouped_mm bf16": lambda: torch._grouped_mm(dy, w, offs=offs),
+            "Triton per-tensor FP8 E5M2 x E4M3 (kind m)": lambda: grouped_block_mm_cuda(*dgrad_ops, offs,
+                                                                                       torch.bfloat16, "m"),
+            "torch._scaled_grouped_mm E4M3": lambda: torch._scaled_grouped_mm(
+                dy4, w8_cols, *scaled_dgrad, offs=offs, out_dtype=torch.bfloat16),
+        },
         "wgrad": {
             "torch._grouped_mm bf16": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
             "Triton block-scaled FP8 (kind k)": lambda: grouped_block_mm_cuda(
                 dyq.data_t, dyq.scale_inv_t.t(), 1, x_cols, xq.scale_inv_t, 1, offs, torch.bfloat16, "k"),
+            "Triton per-tensor FP8 E5M2 x E4M3 (kind k)": lambda: grouped_block_mm_cuda(*wgrad_ops, offs,
+                                                                                       torch.bfloat16, "k"),
         },
+    }
+
+
+def copies(shape: MoEShape) -> Dict[str, Callable[[], torch.Tensor]]:
+    """{row name: call} of the per-step copies of the experts' weights, and the bytes each moves."""
+    from te_parallel.ops.fp8_transpose import transposed_copy
+    from te_parallel.ops.grouped_cast import quantize_experts
+    from te_parallel.ops.grouped_fp8 import quantize_grouped_reference
+
+    g, k, n = shape.experts, shape.k, shape.n
+    w = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
+    w8 = w.to(torch.float8_e4m3fn)
+    scale = torch.rand(g, device="cuda") + 1
+    elems = g * n * k
+    return {
+        "Wᵀ FP8: torch strided copy": (lambda: w8.transpose(1, 2).contiguous(), 2 * elems),
+        "Wᵀ FP8: fp8_transpose kernel": (lambda: transposed_copy(w8), 2 * elems),
+        "W cast per expert: torch form": (lambda: quantize_grouped_reference(w, scale, torch.float8_e4m3fn), 3 * elems),
+        "W cast per expert: grouped_cast kernel": (lambda: quantize_experts(w, scale, torch.float8_e4m3fn), 3 * elems),
     }
 
 
@@ -144,6 +191,13 @@ def measure(name: str, shape: MoEShape, align: int, rounds: int) -> List[dict]:
                          "N": shape.n, "max_rows": max(sizes), "ms": ms, "TFLOPS": flops / ms / 1e9,
                          "vs_bf16": bf16_ms / ms, "rel_err_vs_bf16": errs[row]})
         torch.cuda.empty_cache()
+    calls = copies(shape)
+    times = time_interleaved({row: (lambda c=call: c()) for row, (call, _) in calls.items()}, warmup=3, iters=10,
+                             rounds=rounds)
+    for row, ms in times.items():
+        rows.append({"model": name, "gemm": "copy", "row": row, "experts": shape.experts, "K": shape.k, "N": shape.n,
+                     "ms": ms, "GB/s": calls[row][1] / ms / 1e6})
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -162,7 +216,8 @@ def main(argv=None) -> None:
         rows += measure(name, MODELS[name], args.align, args.rounds)
     report(f"Grouped MoE GEMMs on {torch.cuda.get_device_name()} (bf16 outputs; median ms of back-to-back calls, "
            f"interleaved rounds; expert rows aligned to {args.align})", rows,
-           ["model", "gemm", "row", "experts", "M", "K", "N", "max_rows", "ms", "TFLOPS", "vs_bf16", "rel_err_vs_bf16"],
+           ["model", "gemm", "row", "experts", "M", "K", "N", "max_rows", "ms", "TFLOPS", "GB/s", "vs_bf16",
+            "rel_err_vs_bf16"],
            args.json)
 
 

@@ -9,6 +9,8 @@
   te bf16                te_parallel.GroupedLinear outside fp8_autocast
   te fp8 delayed / current / block   te_parallel.GroupedLinear in fp8_autocast(recipe), weights recast every step
   te fp8 <recipe>, m_splits on GPU   the same with m_splits an int tensor on the device (no host copy)
+  te fp8 delayed E4M3    DelayedScaling(fp8_format=E4M3): E4M3 gradients, every GEMM on torch._scaled_grouped_mm
+                         (HYBRID's E5M2 dgrad and wgrad run on the Triton grouped kernel)
   TE bf16 / TE fp8 delayed / current / block   NVIDIA Transformer Engine's GroupedLinear, when it is installed
 --part layer: a whole MoE layer (router, permute, fc1, SwiGLU, fc2, unpermute), te_parallel.MoELayer in bf16 and
   each FP8 recipe, against the same layer written in torch bf16 on torch._grouped_mm; with peak memory.
@@ -122,6 +124,8 @@ def bench_gemms(name: str, energy):
     for kind, cls in RECIPES.items():
         steps[f"te fp8 {kind}"] = _step(mine, x, dy, region(cls()), lambda: mine(x, splits))
         steps[f"te fp8 {kind}, m_splits on GPU"] = _step(mine, x, dy, region(cls()), lambda: mine(x, splits_dev))
+    e4m3 = recipe.DelayedScaling(fp8_format=recipe.Format.E4M3)
+    steps["te fp8 delayed E4M3"] = _step(mine, x, dy, region(e4m3), lambda: mine(x, splits))
     peer = transformer_engine()
     if peer is not None:
         theirs = peer.GroupedLinear(c["experts"], k, n, bias=False, params_dtype=dt, device=dev)

@@ -352,6 +352,35 @@ def test_grouped_gemm_functions(device):
         assert rel_err(got.cpu(), want.cpu()) < 1e-6, role
 
 
+def test_fp8_routes(monkeypatch):
+    """Which per-tensor FP8 GEMM goes where on CUDA (the GPU's answers stubbed): torch._scaled_grouped_mm for E4M3
+    pairs (wgrad: groups of 16-row multiples known on the host); the Triton grouped kernel for E5M2 operands and
+    device-sized wgrad groups; an error naming both where neither runs. Nothing is widened to bf16."""
+    from te_parallel.ops import grouped_block_gemm
+
+    cuda, e4, e5 = torch.device("cuda", 0), torch.float8_e4m3fn, torch.float8_e5m2
+    host16 = gg.GroupSplits(torch.zeros(2), torch.zeros(2), 48, (16, 32))
+    host_odd = gg.GroupSplits(torch.zeros(2), torch.zeros(2), 48, (15, 33))
+    device_only = gg.GroupSplits(torch.zeros(2), torch.zeros(2), 48)
+    monkeypatch.setattr(gg, "scaled_grouped_mm_available", lambda dev: (True, ""))
+    monkeypatch.setattr(grouped_block_gemm, "usable_on", lambda dev: True)
+    S, T = gg.FP8Route.SCALED, gg.FP8Route.TRITON
+    want = [((e4, e4, host16, "m"), S), ((e4, e4, device_only, "m"), S), ((e4, e4, host16, "k"), S),
+            ((e4, e4, host_odd, "k"), T), ((e4, e4, device_only, "k"), T), ((e5, e4, host16, "m"), T),
+            ((e5, e4, host16, "k"), T), ((e4, e5, device_only, "m"), T)]
+    for (a, b, splits, kind), route in want:
+        assert gg.fp8_route(a, b, cuda, splits, kind) is route, (a, b, splits.counts, kind)
+    assert gg.fp8_route(e5, e4, torch.device("cpu"), host16, "m") is gg.FP8Route.DEQUANTIZED
+    assert not hasattr(gg.FP8Route, "WIDENED")
+    monkeypatch.setattr(gg, "scaled_grouped_mm_available", lambda dev: (False, "this GPU has 8.9"))
+    monkeypatch.setattr(grouped_block_gemm, "usable_on", lambda dev: False)
+    with pytest.raises(RuntimeError, match="this GPU has 8.9.*Triton grouped kernel") as err:
+        gg.fp8_route(e4, e4, cuda, host16, "m")
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(grouped_block_gemm, "usable_on", lambda dev: True)
+    assert gg.fp8_route(e4, e4, cuda, host16, "m") is T  # (a GPU torch's kernel does not run on)
+
+
 def test_grouped_block_mm_cpu(device):
     """grouped_block_mm's CPU route (fp32 dequantized product) against per-group fp64 products."""
     if device != "cpu":

@@ -45,8 +45,13 @@ Programs and groups (one launch, no host sync, host work independent of G):
 
 Eager calls launch the kernel directly; traced code calls the custom op te_parallel::grouped_block_mm,
 whose fake kernel gives the output's shape, so that torch.compile and CUDA graphs hold it as one node. The
-kernels are autotuned over _CONFIGS on first use per shape key (N, K and the rows rounded to a power of
-two): make that first call before capturing a CUDA graph.
+kernels are autotuned over _CONFIGS (kind "k": _K_CONFIGS) on first use per shape key (N, K and the rows rounded
+to a power of two): make that first call before capturing a CUDA graph. `autotune_candidates` narrows the
+candidates inside a `with` block (one tile: no timing runs, one compilation per variant).
+
+Per-tensor FP8 (te_parallel.ops.grouped_gemm's TRITON route) runs here too: a per-tensor scale is a block scale
+that is the same in every tile, passed as a stride-0 view (sa [M, K/128] of one scale, sb [G, K/128, N/128] of
+each expert's), so the same kernels serve E5M2 operands and device-sized wgrad groups.
 """
 from __future__ import annotations
 
@@ -64,7 +69,8 @@ try:
 except ImportError:  # a CPU-only install: usable() is False
     triton = None
 
-__all__ = ["usable", "grouped_block_mm_cuda", "grouped_block_mm_reference", "Tile"]
+__all__ = ["usable", "usable_on", "grouped_block_mm_cuda", "grouped_block_mm_reference", "Tile",
+           "autotune_candidates"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,11 +104,31 @@ _CONFIGS = (
     Tile(64, 256, num_warps=8, num_stages=3),
     Tile(64, 256, num_warps=8, num_stages=4),
 )
+# Kind "k" (wgrad) differs from kind "m" in two ways that these extra candidates address: each program's reduction
+# is one group's rows only (Qwen3-like routing: ~1,024 rows, 8 chunks of 128, against 12-16 for fprop / dgrad),
+# so a tile's prologue (the pipeline's first loads) and epilogue (its store) weigh about twice as much; and
+# its promotion scales by an outer product sa[n] * sb[k] (one more fp32 tile in registers than kind "m"'s row
+# scale). Smaller tiles and fewer stages let two or three programs share an SM, one's loads and stores running
+# under another's tensor-core work; 128x64 keeps the long side on dyᵀ's rows.
+_K_CONFIGS = _CONFIGS + (
+    Tile(128, 64, num_warps=4, num_stages=3),
+    Tile(128, 64, num_warps=4, num_stages=4),
+    Tile(64, 128, num_warps=4, num_stages=2),
+    Tile(128, 128, num_warps=8, num_stages=2),
+)
 
 
 def usable(t: torch.Tensor) -> bool:
     """True for a CUDA FP8 operand on an sm_90+ GPU with triton importable (asked once per device)."""
     return t.is_cuda and t.dtype in FP8_DTYPES and _device_ok(t.get_device())
+
+
+def usable_on(device: torch.device) -> bool:
+    """usable() for FP8 operands on `device`, without a tensor: a CUDA device of compute capability >= 9.0 with
+    triton importable."""
+    if device.type != "cuda":
+        return False
+    return _device_ok(device.index if device.index is not None else _current_device())
 
 
 @torch.compiler.assume_constant_result
@@ -130,6 +156,29 @@ def grouped_block_mm_cuda(a: torch.Tensor, sa: torch.Tensor, a_dim: int, b: torc
     if torch.compiler.is_compiling():
         return torch.ops.te_parallel.grouped_block_mm(a, sa, a_dim, b, sb, b_dim, offs, out_dtype, kind)
     return _launch(a, sa, b, sb, b_dim, offs, out_dtype, kind)
+
+
+@contextlib.contextmanager
+def autotune_candidates(m_tiles: Sequence[Tile], k_tiles: Sequence[Tile]):
+    """Inside the block the autotuned launches choose among m_tiles (kind "m") and k_tiles (kind "k") only, with
+    choices made afresh; on leaving it, the candidates and the choices of before are back. A single tile per kind
+    skips the timing runs and compiles one configuration per kernel variant instead of up to ten (what short test
+    runs need; every tile computes the same product, in another summation order)."""
+    for name, tiles in (("m_tiles", m_tiles), ("k_tiles", k_tiles)):
+        if not tiles or not all(isinstance(t, Tile) for t in tiles):
+            raise ValueError(f"autotune_candidates: {name} must be a non-empty sequence of Tile, got {tiles!r}")
+    if triton is None:  # (no kernels to tune)
+        yield
+        return
+    tuners = ((_grouped_m_tuned, m_tiles), (_grouped_k_tuned, k_tiles))
+    saved = [(tuner.configs, tuner.cache) for tuner, _ in tuners]
+    try:
+        for tuner, tiles in tuners:
+            tuner.configs, tuner.cache = [_config(t) for t in tiles], {}
+        yield
+    finally:
+        for (tuner, _), (configs, cache) in zip(tuners, saved):
+            tuner.configs, tuner.cache = configs, cache
 
 
 def _device_offsets(offs: Offsets, a: torch.Tensor, kind: str) -> torch.Tensor:
@@ -449,10 +498,12 @@ if triton is not None:
             rows[:, None] * stride_on + cols[None, :] * stride_ok)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
-    def _autotuned(kernel, key):
-        configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "GROUP_M": t.group_m},
-                                 num_warps=t.num_warps, num_stages=t.num_stages) for t in _CONFIGS]
-        return triton.autotune(configs=configs, key=key)(kernel)
+    def _config(t: Tile):
+        return triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "GROUP_M": t.group_m},
+                             num_warps=t.num_warps, num_stages=t.num_stages)
 
-    _grouped_m_tuned = _autotuned(_grouped_m_kernel, ["N", "K", "ROWS_BUCKET", "SB_BLOCKS"])
-    _grouped_k_tuned = _autotuned(_grouped_k_kernel, ["N", "K", "ROWS_BUCKET"])
+    def _autotuned(kernel, tiles, key):
+        return triton.autotune(configs=[_config(t) for t in tiles], key=key)(kernel)
+
+    _grouped_m_tuned = _autotuned(_grouped_m_kernel, _CONFIGS, ["N", "K", "ROWS_BUCKET", "SB_BLOCKS"])
+    _grouped_k_tuned = _autotuned(_grouped_k_kernel, _K_CONFIGS, ["N", "K", "ROWS_BUCKET"])

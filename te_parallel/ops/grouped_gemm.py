@@ -9,9 +9,10 @@ weights (N = out, K = in features on this rank) and x [M, K], dy [M, N]:
     wgrad  dW[g]      = dy[rows_g]ᵀ · x[rows_g]   kind "k": A [N, M], B [M, K], grouped along M    -> [G, N, K]
 
 Each is ONE call whatever G is: torch._grouped_mm (high precision), torch._scaled_grouped_mm (per-tensor FP8 on
-CUDA) or the block-scaled grouped kernel (Float8BlockScaling on CUDA). Nothing here reads the group sizes on the
-host: `offs` stays on the device, so a forward and backward with device-side m_splits never synchronise (with
-bf16 or FP8 operands: torch runs fp32 / fp16 grouped GEMMs on CUDA as a loop that reads offs on the host).
+CUDA where it takes the operands) or the block-scaled grouped kernel (Float8BlockScaling, and the other per-tensor
+FP8 GEMMs, on CUDA). Nothing here reads the group sizes on the host: `offs` stays on the device, so a forward and
+backward with device-side m_splits never synchronise (with bf16 or FP8 operands: torch runs fp32 / fp16 grouped
+GEMMs on CUDA as a loop that reads offs on the host).
 
 Routes, decided in one place per operand kind (`fp8_route`, `grouped_block_mm`):
 * high precision: torch._grouped_mm, any device. Feature dims are zero-padded to 16 bytes where they are not
@@ -19,10 +20,11 @@ Routes, decided in one place per operand kind (`fp8_route`, `grouped_block_mm`):
 * per-tensor FP8 (delayed / current scaling): operands in cuBLAS's "TN" layouts (A row-major, B column-major),
   one fp32 scale_inv for x (or dy) and one per expert for W. On CUDA, torch._scaled_grouped_mm where it takes
   the operands (E4M3 both, compute capability 9.0 / 10.0, and for wgrad every group a multiple of 16 rows, known
-  on the host); E5M2 operands (HYBRID's gradients) and wgrad over groups of unknown size run "widened": the FP8
-  values converted exactly to bf16, torch._grouped_mm with fp32 accumulation, the scales applied to its bf16
-  product. On the CPU both operands are dequantized to fp32 and multiplied by torch._grouped_mm in fp32 (as
-  ops.gemm does for one GEMM).
+  on the host); everything else (HYBRID's E5M2 gradients, wgrad over groups of unknown size, GPUs torch's kernel
+  does not run on) goes to the block-scaled grouped kernel below with constant scales: a per-tensor scale is a
+  block scale that is the same in every tile, so the kernel reads stride-0 views of the scalars (no copy, no
+  widened operands), promotes every 128-deep chunk into fp32 and writes the output dtype itself. On the CPU both
+  operands are dequantized to fp32 and multiplied by torch._grouped_mm in fp32 (as ops.gemm does for one GEMM).
 * block scaling (1x128 tiles of x and dy, 128x128 blocks or 1x128 tiles of W): `grouped_block_mm`, the CPU's
   fp32 dequantized product or te_parallel.ops.grouped_block_gemm.grouped_block_mm_cuda on CUDA.
 
@@ -191,7 +193,7 @@ class FP8Route(enum.Enum):
     """How one per-tensor FP8 grouped GEMM runs (fp8_route)."""
 
     SCALED = "torch._scaled_grouped_mm"          # CUDA: FP8 tensor cores, scales in the epilogue
-    WIDENED = "bf16 grouped GEMM of the FP8 values"  # CUDA: values widened exactly to bf16, scales after
+    TRITON = "the grouped FP8 kernel with constant block scales"  # CUDA: grouped_block_gemm, stride-0 scales
     DEQUANTIZED = "fp32 grouped GEMM of the dequantized operands"  # the CPU
 
 
@@ -216,15 +218,18 @@ def fp8_route(a_dtype: torch.dtype, b_dtype: torch.dtype, device: torch.device, 
     """The route of one per-tensor FP8 grouped GEMM (see the module doc). Raises where CUDA has none."""
     if device.type != "cuda":
         return FP8Route.DEQUANTIZED
-    ok, why = scaled_grouped_mm_available(device)
-    if not ok:
-        raise RuntimeError(f"FP8 grouped GEMMs on CUDA need torch._scaled_grouped_mm: {why}; run GroupedLinear "
-                           f"outside fp8_autocast on this GPU")
+    scaled, why = scaled_grouped_mm_available(device)
     e4m3 = a_dtype == torch.float8_e4m3fn and b_dtype == torch.float8_e4m3fn
     # wgrad: the groups split the contiguous dim of both FP8 operands, so each group must be 16 rows (bytes)
-    if e4m3 and (kind == "m" or splits.aligned(16)):
+    if scaled and e4m3 and (kind == "m" or splits.aligned(16)):
         return FP8Route.SCALED
-    return FP8Route.WIDENED
+    from te_parallel.ops import grouped_block_gemm
+
+    if grouped_block_gemm.usable_on(device):
+        return FP8Route.TRITON
+    why = why or f"its {a_dtype} x {b_dtype} {'wgrad' if kind == 'k' else 'fprop/dgrad'} is not one it takes"
+    raise RuntimeError(f"FP8 grouped GEMMs on CUDA need torch._scaled_grouped_mm ({why}) or the Triton grouped "
+                       f"kernel (triton and compute capability >= 9.0); run GroupedLinear outside fp8_autocast here")
 
 
 def fp8_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, splits: GroupSplits,
@@ -234,7 +239,9 @@ def fp8_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
     kind "m": a [M, K] FP8 row-major, sa 0-d (one scale of the whole operand); b [G, K, N] FP8 with each b[g]
     column-major, sb [G] (one scale per group) -> [M, N].
     kind "k": a [N, M] FP8 row-major (dyᵀ), b [M, K] FP8 column-major (x from xᵀ's bytes), sa, sb 0-d
-    -> [G, N, K]. On CUDA the output is rounded to bf16 on its way (the grouped kernels write bf16 only)."""
+    -> [G, N, K]. torch._scaled_grouped_mm rounds its output to bf16 on the way (it writes bf16 only); the Triton
+    kernel writes out_dtype (fp32 for a fused wgrad accumulation) and always promotes per 128-deep chunk
+    (mm.fast_accum does not apply to it)."""
     g = splits.num_groups
     if kind == "m":
         (m, k), n = a.shape, b.shape[2]
@@ -248,25 +255,33 @@ def fp8_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
     sa, sb = sa.to(torch.float32), sb.to(torch.float32)
     if route is FP8Route.DEQUANTIZED:
         return _dequantized_mm(a, sa, b, sb, splits, out_dtype, kind)
-    if route is FP8Route.SCALED:
-        if kind == "m":  # torch's rowwise scales: one per row of A [M], one per column of each B[g] [G, N]
-            scale_a = sa.reshape(1).expand(m).contiguous()
-            scale_b = sb.reshape(g, 1).expand(g, n).contiguous()
-        else:  # 2-D x 2-D: one per row of A per group [G·N], one per column of B per group [G·K]
-            scale_a = sa.reshape(1).expand(g * n).contiguous()
-            scale_b = sb.reshape(1).expand(g * k).contiguous()
-        out = torch._scaled_grouped_mm(_aligned_ptr(a), b, scale_a, scale_b, offs=splits.offs,
-                                       out_dtype=torch.bfloat16, use_fast_accum=mm.fast_accum)
-        return out.to(out_dtype)
-    # WIDENED: FP8 values are exact in bf16; the kernel accumulates in fp32 and rounds its product to bf16 once
+    if route is FP8Route.TRITON:
+        from te_parallel.ops.grouped_block_gemm import grouped_block_mm_cuda
+
+        return grouped_block_mm_cuda(*constant_block_scales(a, sa, b, sb, kind), splits.offs, out_dtype, kind)
+    if kind == "m":  # torch's rowwise scales: one per row of A [M], one per column of each B[g] [G, N]
+        scale_a = sa.reshape(1).expand(m).contiguous()
+        scale_b = sb.reshape(g, 1).expand(g, n).contiguous()
+    else:  # 2-D x 2-D: one per row of A per group [G·N], one per column of B per group [G·K]
+        scale_a = sa.reshape(1).expand(g * n).contiguous()
+        scale_b = sb.reshape(1).expand(g * k).contiguous()
+    out = torch._scaled_grouped_mm(_aligned_ptr(a), b, scale_a, scale_b, offs=splits.offs,
+                                   out_dtype=torch.bfloat16, use_fast_accum=mm.fast_accum)
+    return out.to(out_dtype)
+
+
+def constant_block_scales(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, kind: str):
+    """fp8_grouped_mm's per-tensor operands as the block-scaled grouped kernel's (a, sa, a_dim, b, sb, b_dim):
+    each scale a stride-0 view of the grouped kernel's scale shape (kind "m": sa [M, ceil(K/128)] of the one
+    scale, sb [G, ceil(K/128), ceil(N/128)] 128x128 blocks of expert g's scale; kind "k": sa [N, ceil(M/128)],
+    sb [ceil(M/128), K]). The kernel's promotion multiplies each chunk by sa·sb, the same number every time."""
     if kind == "m":
-        out = torch._grouped_mm(_aligned_ptr(a.to(torch.bfloat16)), b.to(torch.bfloat16), offs=splits.offs)
-        row_scale = sa * sb.index_select(0, splits.group_ids())  # [M]: the scale of each row's group
-        return (out.float() * row_scale[:, None]).to(out_dtype)
-    a_cols = torch.empty_strided((n, m), (1, n), dtype=torch.bfloat16, device=a.device).copy_(a)  # A column-major
-    b_rows = torch.empty((m, k), dtype=torch.bfloat16, device=b.device).copy_(b)  # B row-major
-    out = torch._grouped_mm(a_cols, b_rows, offs=splits.offs)
-    return (out.float() * (sa * sb)).to(out_dtype)
+        (m, k), (g, _, n) = a.shape, b.shape
+        kt, nt = -(-k // BLOCK), -(-n // BLOCK)
+        return a, sa.reshape(1, 1).expand(m, kt), 1, b, sb.reshape(g, 1, 1).expand(g, kt, nt), 2
+    (n, m), k = a.shape, b.shape[1]
+    mt = -(-m // BLOCK)
+    return a, sa.reshape(1, 1).expand(n, mt), 1, b, sb.reshape(1, 1).expand(mt, k), 1
 
 
 def _dequantized_mm(a, sa, b, sb, splits: GroupSplits, out_dtype, kind: str) -> torch.Tensor:

@@ -20,7 +20,9 @@ import te_parallel as te
 from te_parallel.ops import grouped_block_gemm as gbg
 from te_parallel.ops.gemm import block_mm
 from tests.reference import fp8_gemm_tol, rel_err
-from tests.test_grouped_block_gemm import E4M3, E5M2, make_case
+from te_parallel.ops.fp8_transpose import transposed_copy
+from te_parallel.ops.grouped_gemm import GroupSplits, constant_block_scales, fp8_grouped_mm
+from tests.test_grouped_block_gemm import E4M3, E5M2, make_case, per_tensor_case
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -31,6 +33,14 @@ if torch.cuda.get_device_capability() < (9, 0):
                 f"{torch.cuda.get_device_capability()}", allow_module_level=True)
 
 TOL = {torch.float32: fp8_gemm_tol("cuda"), torch.bfloat16: 2**-8 + fp8_gemm_tol("cuda")}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_tile_per_kind():
+    """One autotuning candidate per kernel kind (each variant compiles once, no timing runs): the every-config
+    tests below run each candidate themselves."""
+    with gbg.autotune_candidates(gbg._CONFIGS[:1], gbg._K_CONFIGS[:1]):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -122,13 +132,26 @@ def test_kind_k_matches_references(n, k, aligned, out_dtype):
             assert torch.count_nonzero(got[g]) == 0
 
 
-@pytest.mark.parametrize("kind", ["m", "k"])
-@pytest.mark.parametrize("tile", gbg._CONFIGS, ids=str)
+@pytest.mark.parametrize("kind, tile", [("m", t) for t in gbg._CONFIGS] + [("k", t) for t in gbg._K_CONFIGS],
+                         ids=str)
 def test_every_autotuning_config(kind, tile):
     """Every candidate config computes the product (autotuning keeps whichever is fastest)."""
     sizes = random_sizes(9, 1500, seed=3, multiple=1 if kind == "m" else 128)
     check(make_case(kind, sizes, 400, 528, b_dim=2, device="cuda", seed=3, extra_rows=5 if kind == "m" else 0),
           torch.bfloat16, tile)
+
+
+@pytest.mark.parametrize("kind", ["m", "k"])
+def test_autotuning_over_every_config(kind):
+    """The autotuned launch over the full candidate lists (timing runs, a choice per key) computes the product;
+    the case of test_every_autotuning_config, so the kernels it compiled are reused."""
+    sizes = random_sizes(9, 1500, seed=3, multiple=1 if kind == "m" else 128)
+    case = make_case(kind, sizes, 400, 528, b_dim=2, device="cuda", seed=3, extra_rows=5 if kind == "m" else 0)
+    with gbg.autotune_candidates(gbg._CONFIGS, gbg._K_CONFIGS):
+        tuner = gbg._grouped_m_tuned if kind == "m" else gbg._grouped_k_tuned
+        assert len(tuner.configs) == len(gbg._CONFIGS if kind == "m" else gbg._K_CONFIGS) > 1
+        check(case, torch.bfloat16)
+        assert len(tuner.cache) == 1  # (timed, and chosen once for this key)
 
 
 @pytest.mark.parametrize("kind", ["m", "k"])
@@ -188,3 +211,53 @@ def test_compiled_and_graphed_calls_match_eager(kind):
 def test_usable():
     assert gbg.usable(torch.zeros(4, 4, device="cuda").to(E4M3))
     assert not gbg.usable(torch.zeros(4, 4, device="cuda"))
+
+
+# per-tensor FP8 through the kernel (grouped_gemm's TRITON route): E5M2 x E4M3 (HYBRID's dgrad and wgrad), one
+# scale per operand (per expert for W) as stride-0 block scales; kind "k" with group edges inside 128-row tiles
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind, n, k, multiple", [("m", 528, 656, 1), ("k", 528, 656, 1), ("k", 1536, 2048, 128)])
+def test_per_tensor_scales(kind, n, k, multiple, out_dtype):
+    sizes = random_sizes(12, 3000, seed=n + k, multiple=multiple)
+    a, sa, b, sb, offs, want = per_tensor_case(kind, sizes, n, k, seed=6, device="cuda")
+    got = gbg.grouped_block_mm_cuda(*constant_block_scales(a, sa, b, sb, kind), offs, out_dtype, kind)
+    assert got.dtype == out_dtype and got.shape == want.shape and torch.isfinite(got).all()
+    err = rel_err(got.cpu(), want)
+    assert err < TOL[out_dtype], f"{err:.2e} against fp64"
+    splits = GroupSplits(torch.tensor(sizes, device="cuda"), offs, sum(sizes))  # device-only sizes
+    routed = fp8_grouped_mm(a, sa, b, sb, splits, out_dtype, kind)  # E5M2: the TRITON route, the same launch
+    assert torch.equal(routed, got)
+
+
+@pytest.mark.parametrize("shape, view", [((16, 1536, 2048), None), ((3, 150, 70), (slice(None), slice(5, None),
+                                                                                  slice(3, 67))), ((77, 200), None)])
+def test_transposed_copy(shape, view):
+    """The Triton transposed copy gives torch's bytes (ragged tiles, a strided source, 2-D and 3-D)."""
+    t = (torch.randn(shape, device="cuda") * 16).to(E4M3)
+    t = t if view is None else t[view]
+    got = transposed_copy(t)
+    want = t.transpose(-2, -1).contiguous()
+    assert got.is_contiguous() and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale_stride", [1, 2])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_experts_weight_cast(dtype, src_dtype, scale_stride):
+    """The per-expert weight cast kernel (ops.grouped_cast) gives the torch form's bytes: a strided source, scales
+    that push values past fp8_max, infinities (clamped), ragged tiles; the scales contiguous or every other entry
+    of a vector (delayed scaling's weight slots 2g+1 of the module's state)."""
+    from te_parallel.ops import grouped_cast
+    from te_parallel.ops.grouped_fp8 import quantize_grouped, quantize_grouped_reference
+
+    spread = torch.logspace(-3, 3, 8, device="cuda", dtype=torch.float64)[:, None, None]
+    w = torch.randn(8, 203, 400, device="cuda", dtype=torch.float64) * spread
+    w[1, 3, 7], w[5, 0, 0] = float("inf"), -float("inf")
+    w = w.to(src_dtype)[:, 2:, 7:390]
+    slots = torch.full((8 * scale_stride,), 1e4, device="cuda")  # (a wrong slot's scale would saturate)
+    slots[scale_stride - 1::scale_stride] = torch.logspace(2, -2, 8, device="cuda") * 3.7
+    scale = slots[scale_stride - 1::scale_stride]
+    assert grouped_cast.usable(w) and scale.stride() == (scale_stride,)
+    want = quantize_grouped_reference(w, scale, dtype)
+    got = quantize_grouped(w, scale, dtype).data
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

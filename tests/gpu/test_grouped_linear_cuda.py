@@ -3,10 +3,10 @@ m_splits on the device costs no host synchronisation.
 
 Routes: bf16 through torch._grouped_mm; per-tensor FP8 through torch._scaled_grouped_mm (E4M3 operands; wgrad
 where every expert's rows are a multiple of 16 known on the host), with HYBRID's E5M2 gradients and wgrad over
-device-side m_splits widened to bf16 for torch._grouped_mm; block scaling through the Triton grouped kernel
-(te_parallel.ops.grouped_block_gemm). Tolerance: the grouped kernels write bf16 (torch's take no fp32 output), so
-every GEMM's result carries a bf16 rounding (2^-9 relative) besides the FP8 accumulation: 4e-3 on FP8 paths, 1e-2
-on bf16 ones (bf16 inputs and products).
+device-side m_splits through the Triton grouped kernel with constant scales; block scaling through the Triton
+grouped kernel (te_parallel.ops.grouped_block_gemm). Tolerance: torch's grouped kernels write bf16 (they take no
+fp32 output), so a GEMM's result may carry a bf16 rounding (2^-9 relative) besides the FP8 accumulation: 4e-3
+on FP8 paths, 1e-2 on bf16 ones (bf16 inputs and products).
 """
 import pytest
 import torch
@@ -25,6 +25,16 @@ COUNTS = [64, 0, 16, 208, 32]  # every expert a multiple of 16 rows (E4M3 wgrad 
 ODD_COUNTS = [5, 0, 1, 26, 12]  # an empty and a one-token expert
 BLOCK_COUNTS = [128, 0, 256, 128]
 FP8_TOL, BF16_TOL = 4e-3, 1e-2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_tile_per_kind():
+    """The Triton grouped kernel with one autotuning candidate per kind (each variant compiles once, no timing
+    runs; tests/gpu/test_grouped_block_gemm_cuda.py runs every candidate)."""
+    from te_parallel.ops import grouped_block_gemm as gbg
+
+    with gbg.autotune_candidates(gbg._CONFIGS[:1], gbg._K_CONFIGS[:1]):
+        yield
 
 
 def _needs_scaled_grouped_mm():
@@ -72,23 +82,55 @@ def test_bf16_grouped_mm(counts, splits_as, monkeypatch):
 
 @pytest.mark.parametrize("recipe_name, splits_as, scaled", [
     ("e4m3", "list", 3),     # fprop, dgrad, wgrad: E4M3, groups of 16-row multiples known on the host
-    ("e4m3", "tensor", 2),   # wgrad widened: the group sizes are on the device only
-    ("hybrid", "list", 1),   # dgrad and wgrad widened: E5M2 gradients
+    ("e4m3", "tensor", 2),   # wgrad on the Triton kernel: the group sizes are on the device only
+    ("hybrid", "list", 1),   # dgrad and wgrad on the Triton kernel: E5M2 gradients
 ])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 def test_fp8_per_tensor(recipe_name, splits_as, scaled, scaling, monkeypatch):
     _needs_scaled_grouped_mm()
+    _needs_block_kernel()
+    from te_parallel.ops import grouped_block_gemm
+
     fmt = R.Format.E4M3 if recipe_name == "e4m3" else R.Format.HYBRID
     recipe = R.DelayedScaling(fp8_format=fmt, amax_history_len=4) if scaling == "delayed" else \
         R.Float8CurrentScaling(fp8_format=fmt)
     calls = _count(monkeypatch, torch, "_scaled_grouped_mm")
+    kernel = _count(monkeypatch, grouped_block_gemm, "grouped_block_mm_cuda")
+    widened = _count(monkeypatch, torch, "_grouped_mm")
     _check(recipe, COUNTS, splits_as, FP8_TOL)
     assert len(calls) == 2 * scaled, f"{len(calls)} torch._scaled_grouped_mm calls in two steps, want {2 * scaled}"
+    assert len(kernel) == 2 * (3 - scaled), f"{len(kernel)} Triton grouped calls in two steps, want {2 * (3 - scaled)}"
+    assert not widened, "a per-tensor FP8 GEMM ran through torch._grouped_mm (FP8 widened to bf16)"
 
 
-def test_fp8_per_tensor_odd_splits():
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_per_tensor_odd_splits(fmt):
+    """Groups that are not multiples of 16 rows: wgrad on the Triton kernel (edges inside its 128-row chunks)."""
     _needs_scaled_grouped_mm()
-    _check(R.Float8CurrentScaling(fp8_format=R.Format.E4M3), ODD_COUNTS, "list", FP8_TOL)
+    _needs_block_kernel()
+    _check(R.Float8CurrentScaling(fp8_format=R.Format.E4M3 if fmt == "e4m3" else R.Format.HYBRID), ODD_COUNTS,
+           "list", FP8_TOL)
+
+
+def test_fp8_per_tensor_fused_wgrad_accumulation():
+    """fuse_wgrad_accumulation under HYBRID current scaling: wgrad (E5M2 dy) on the Triton kernel, which writes dW in
+    fp32 for main_grad's accumulation; every gradient against the fp64 reference of the same quantization."""
+    _needs_block_kernel()
+    counts = ODD_COUNTS
+    m = te.GroupedLinear(len(counts), K, N, device="cuda", fuse_wgrad_accumulation=True)
+    weights = [getattr(m, f"weight{g}") for g in range(len(counts))]
+    start = [torch.rand_like(w, dtype=torch.float32) for w in weights]
+    for w, s0 in zip(weights, start):
+        w.main_grad = s0.clone()
+    recipe = R.Float8CurrentScaling()
+    x, dy = _rows_by_expert(counts, K, "cuda"), _rows_by_expert(counts, N, "cuda")
+    scales = scales_for(m, recipe, x, dy)
+    xi, out = _step(m, x, counts, recipe, dy)
+    torch.cuda.synchronize()
+    assert all(w.grad is None for w in weights)
+    for w, s0 in zip(weights, start):
+        w.main_grad -= s0
+    assert_matches(m, xi, out, reference(expert_params(m), x, dy, counts, scales), FP8_TOL)
 
 
 @pytest.mark.parametrize("w_dim", [2, 1])
