@@ -5,7 +5,7 @@ request), and NVIDIA Transformer Engine's TransformerLayer beside them when it i
 
     python benchmarks/bench_transformer.py [--model gpt|llama] [--hidden --ffn --heads --gqa --seq --batch]
         [--ablate] [--compile [--compile-warmup 5] [--compile-mode reduce-overhead]] [--graph] [--packed]
-        [--energy SECONDS] [--json out.json]
+        [--fp8-dpa] [--energy SECONDS] [--json out.json]
 
 --model gpt (default): the GPT layer h4096 ffn16384 32 heads, LayerNorm, GELU, biases, dropout 0.1, s2048 b4.
 --model llama: the Llama-3-8B layer h4096 ffn14336 SwiGLU, 32 heads / 8 KV groups, RMSNorm, no biases, no
@@ -27,6 +27,8 @@ second table.
 over its own copy of the layer: captured before the timing, replayed outside fp8_autocast, gradients
 cleared by setting them to None. A recipe make_graphed_callables refuses is left out with the reason printed.
 The compiled and graphed rows are timed in the same rounds as the others.
+--fp8-dpa adds "FP8 delayed_dpa" rows for te_parallel and TE: the delayed recipe with fp8_dpa=True, attention
+in cuDNN's FP8 kernels (te_parallel: docs/attention.md, "FP8 attention"; TE: its FP8 fused attention).
 --energy SECONDS adds each row's energy per step (common.energy_interleaved, NVML through nvidia-ml-py):
 joules, watts and SM clock over SECONDS of back-to-back steps, in 2 interleaved rounds, and ms_at_limit, the
 joules divided by the GPU's power limit: where a row's ms meets its ms_at_limit, the power limit sets its speed.
@@ -200,14 +202,15 @@ KINDS = (None, "delayed", "current", "block")  # the eager rows' recipes (None: 
 
 def fp8_recipe(kind: str | None):
     """te_parallel's recipe of the benchmarks' name (None: bf16): "delayed" is HYBRID, history 16, max (as
-    common.te_recipe's TE recipe), "current" current scaling, "block" Float8BlockScaling's defaults (1x128
+    common.te_recipe's TE recipe; "delayed_dpa" with fp8_dpa=True), "current" current scaling, "block" Float8BlockScaling's defaults (1x128
     tiles for inputs and gradients, 128x128 blocks for weights, power-of-two scales, E4M3)."""
     if kind is None:
         return None
     if kind == "block":
         return recipe.Float8BlockScaling()
-    if kind == "delayed":
-        return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    if kind in ("delayed", "delayed_dpa"):
+        return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
+                                     fp8_dpa=kind == "delayed_dpa")
     return recipe.Float8CurrentScaling()
 
 
@@ -323,6 +326,10 @@ def eager_steps(a, layers: Layers, x, dy, fwd: dict, base_fwd: dict, peer_fwd: d
     for kind in KINDS if layers.peer is not None else ():
         steps[f"TE {'bf16' if kind is None else 'FP8 ' + kind}"] = te_training_step(layers.peer, x, dy, kind,
                                                                                       **peer_fwd)
+    if a.fp8_dpa:  # FP8 attention rows (te_parallel, then TE)
+        steps["te FP8 delayed_dpa"] = training_step(layer, x, dy, fp8_recipe("delayed_dpa"), **fwd)
+        if layers.peer is not None:
+            steps["TE FP8 delayed_dpa"] = te_training_step(layers.peer, x, dy, "delayed_dpa", **peer_fwd)
     if not a.ablate:
         return steps
     labels = {"fused activation": "fused activation off", "mlp chunks": "MLP backward in one piece",
@@ -461,6 +468,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="add te.make_graphed_callables rows (FP8 delayed and current), timed with the others")
     ap.add_argument("--energy", type=float, default=None, metavar="SECONDS",
                     help="also measure each row's energy per step over SECONDS of back-to-back steps (NVML)")
+    ap.add_argument("--fp8-dpa", action="store_true",
+                    help="add FP8 delayed_dpa rows (DelayedScaling(fp8_dpa=True): FP8 attention) for te_parallel and TE")
     a = ap.parse_args(argv)
     if a.energy is not None and not 0.5 <= a.energy <= 60:
         ap.error(f"--energy {a.energy}: seconds per measurement window, between 0.5 and 60")
@@ -480,8 +489,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--gqa {a.gqa}: must divide --heads {a.heads}")
     if a.packed and a.model != "llama":
         ap.error(f"--packed takes --model llama, got --model {a.model}")
-    if a.packed and (a.compile or a.graph or a.ablate):
-        ap.error("--packed times the eager rows only; drop --compile, --graph and --ablate")
+    if a.packed and (a.compile or a.graph or a.ablate or a.fp8_dpa):
+        ap.error("--packed times the eager rows only; drop --compile, --graph, --ablate and --fp8-dpa")
     if a.compile_mode != "default" and not a.compile:
         ap.error(f"--compile-mode {a.compile_mode}: goes with --compile")
     if a.compile_warmup < 1:

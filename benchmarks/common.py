@@ -278,12 +278,12 @@ def transformer_engine():
 
 def te_recipe(kind: str):
     """TE's recipe of the same name as te_parallel's benchmark recipes ("delayed": HYBRID, history 16,
-    max; "current")."""
+    max; "delayed_dpa": the same with fp8_dpa=True, FP8 attention; "current")."""
     from transformer_engine.common import recipe as te_recipes
 
-    if kind == "delayed":
+    if kind in ("delayed", "delayed_dpa"):
         return te_recipes.DelayedScaling(fp8_format=te_recipes.Format.HYBRID, amax_history_len=16,
-                                          amax_compute_algo="max")
+                                          amax_compute_algo="max", fp8_dpa=kind == "delayed_dpa")
     if kind == "block":
         return te_recipes.Float8BlockScaling()
     return te_recipes.Float8CurrentScaling()
@@ -291,7 +291,7 @@ def te_recipe(kind: str):
 
 def te_training_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, kind: str | None = None,
                      **forward_kwargs) -> Callable[[], None]:
-    """training_step for a TE module: `kind` None (bf16), "delayed", "current" or "block". TE recasts its weights
+    """training_step for a TE module: `kind` None (bf16), "delayed", "delayed_dpa", "current" or "block". TE recasts its weights
     on every forward without is_first_microbatch, as te_parallel's step does after dropping its copies."""
     rec = te_recipe(kind) if kind else None
     region = functools.partial(transformer_engine().fp8_autocast, enabled=rec is not None, fp8_recipe=rec)

@@ -13,8 +13,10 @@ Two families:
 * `Float8BlockScaling`: one scale per 1x128 tile (activations, gradients) or 128x128 block (weights),
   computed from the tile's own amax (DeepSeek-V3's recipe; Megatron's `fp8_recipe="blockwise"`).
 
-Each recipe names its scaling in `Recipe.scaling` ("delayed", "current", "block"): code that depends on
-the recipe reads that attribute, and a recipe's quantizers (te_parallel.fp8.quantizers) do the casts.
+A recipe holds settings; what it does to the GEMM operands is its quantizers' (te_parallel.fp8.gemm_quantizers
+for the modules' GEMMs, registered per recipe type; te_parallel.fp8.quantizers for TE's API). `Recipe.scaling`
+("delayed", "current", "block") names the kind for TE's helpers below and the quantizer modules; the GEMM
+path asks the quantizers what it needs, never which recipe it runs.
 """
 from __future__ import annotations
 
@@ -175,6 +177,8 @@ class DelayedScaling(Recipe):
     `scaling_factor_compute_algo(amax, scale, fp8_max, recipe) -> new scale` replaces the formula.
     `reduce_amax`: all-reduce (MAX) the amaxes over the fp8 group before the update so every
     rank computes the same scale.
+    `fp8_dpa`: DotProductAttention runs in FP8 (cuDNN's FP8 attention; docs/attention.md, "FP8
+    attention"); `fp8_mha`: the same here (the QKV projection does not hand FP8 tensors to attention).
     """
 
     scaling: ClassVar[str] = "delayed"
@@ -186,9 +190,12 @@ class DelayedScaling(Recipe):
     amax_compute_algo: AmaxAlgo = "max"
     scaling_factor_compute_algo: Optional[ScaleAlgo] = None
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_attention_fields(self)
         if not (isinstance(self.margin, (int, float)) and math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"DelayedScaling margin must be a finite number >= 0, got {self.margin!r}")
         if not (isinstance(self.interval, int) and self.interval >= 1):
@@ -211,11 +218,25 @@ class DelayedScaling(Recipe):
 
 @dataclass(frozen=True, kw_only=True)
 class Float8CurrentScaling(Recipe):
-    """Scale from the tensor itself: scale = fp8_max / amax(tensor), computed just before the cast."""
+    """Scale from the tensor itself: scale = fp8_max / amax(tensor), computed just before the cast.
+    fp8_dpa / fp8_mha: FP8 attention, as in DelayedScaling (q, k, v and dO current-scaled; the tensors the
+    attention kernels write take the previous pass's amax)."""
 
     scaling: ClassVar[str] = "current"
 
     fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_attention_fields(self)
+
+
+def _check_attention_fields(recipe: Recipe) -> None:
+    for name in ("fp8_dpa", "fp8_mha"):
+        if not isinstance(getattr(recipe, name), bool):
+            raise TypeError(f"{type(recipe).__name__} {name} must be a bool, got {getattr(recipe, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -229,7 +229,8 @@ def te_format(fmt: Format) -> _TEObject:
 
 def te_recipe(recipe: Recipe, extra_fields: Optional[dict] = None) -> _TEObject:
     """TE's recipe object for a te_parallel recipe (extra_fields: TE-only fields to keep, e.g. fp8_dpa)."""
-    fields = {"fp8_format": te_format(recipe.fp8_format), "fp8_dpa": False, "fp8_mha": False}
+    fields = {"fp8_format": te_format(recipe.fp8_format), "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
+              "fp8_mha": bool(getattr(recipe, "fp8_mha", False))}
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("TE extra state: a DelayedScaling with a custom amax or scale function cannot be written "

@@ -7,9 +7,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from te_parallel.fp8.autocast import current_frame
 from te_parallel.module.parallel_mixin import TensorParallelMixin
+from te_parallel.ops import attention_fp8
+from te_parallel.ops.attention_cudnn_fe import CudnnFeUnsupported
 from te_parallel.module.rope import apply_rotary_pos_emb
-from te_parallel.ops.attention import BACKENDS, check_mask_type, check_window, default_scale, make_band
+from te_parallel.ops.attention import BACKENDS, check_mask_type, check_window, default_scale, make_band, warn_once
 from te_parallel.ops.attention_dispatch import Call, make_batch, run
 from te_parallel.ops.attention_varlen import token_positions
 from te_parallel.parallel.context_parallel import context_parallel_attention, make_context_parallel
@@ -34,6 +37,12 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
     Context parallelism (TE's cp_group, cp_global_ranks, cp_stream, cp_comm_type; or
     set_context_parallel_group): the inputs are this rank's tokens in the load-balanced layout and so is the
     output (te_parallel.parallel.context_parallel; a group of one rank, or None, changes nothing).
+
+    FP8 attention: under fp8_autocast with a DelayedScaling or Float8CurrentScaling recipe whose fp8_dpa (or
+    fp8_mha) is True, q/k/v are quantized to FP8 and attention runs in cuDNN's FP8 kernels (CPU: their
+    emulation), returning the inputs' dtype; its scales live in `fp8_attention_state` (made at the first FP8
+    call, kept in the state dict). Inputs FP8 attention does not take run as above, with one warning
+    (te_parallel.ops.attention_fp8); `last_backend` is then "cudnn_fe_fp8", "fp8_emulation" or the bf16 one.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
@@ -113,6 +122,11 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         band = make_band(mask_type, window)
         p = self.attention_dropout if self.training else 0.0
         call = Call(owner, fmt, mask_type, band, default_scale(self.kv_channels, self.softmax_scale), p, self.backend)
+        frame = current_frame()
+        if frame is not None and frame.enabled and attention_fp8.requested(frame.recipe):
+            out = self._fp8_forward(frame, call, query_layer, key_layer, value_layer)
+            if out is not None:
+                return out
         if self.cp_config is not None:
             with self._dropout_rng(p):
                 out, self.last_backend = context_parallel_attention(
@@ -125,6 +139,45 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         with self._dropout_rng(p):
             out, self.last_backend = run(call, batch)
         return out
+
+    def _fp8_forward(self, frame, call: Call, q, k, v):
+        """FP8 attention, or None (after one warning naming why) where it cannot take this call."""
+        if self.backend not in ("auto", "cudnn_fe"):
+            raise ValueError(f"DotProductAttention: backend={self.backend!r} runs attention in {q.dtype}, and the recipe "
+                             f"asks for FP8 attention (fp8_dpa/fp8_mha); use backend='auto' or 'cudnn_fe'")
+        reason = attention_fp8.unsupported_reason(q, k, v, call.fmt, call.mask_type, call.band, call.dropout_p,
+                                                  self.cp_config is not None)
+        if reason is None:
+            state = self._fp8_attention_state(q.device)
+            group = frame.group if frame.group is not None else self.tp_group
+            plan = attention_fp8.make_plan(frame.recipe, state, group, attention_fp8.uses_kernel(q))
+            try:
+                out = attention_fp8.fp8_attention(q, k, v, call.fmt == "sbhd", call.band, call.scale, plan)
+            except CudnnFeUnsupported as err:
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            else:
+                self.last_backend = "cudnn_fe_fp8" if plan.kernel else "fp8_emulation"
+                return out
+        warn_once(("fp8_dpa", reason), f"DotProductAttention: FP8 attention (recipe fp8_dpa) cannot run this input "
+                                       f"({reason}); running it in {q.dtype}")
+        return None
+
+    def _fp8_attention_state(self, device: torch.device):
+        state = self._modules.get("fp8_attention_state")
+        if state is None:
+            state = self.fp8_attention_state = attention_fp8.new_state(device)
+        elif state.fwd_scale.device != device:
+            state.to(device)
+        return state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A checkpoint written after FP8 attention ran holds `fp8_attention_state`: make it to load into."""
+        if self._modules.get("fp8_attention_state") is None and any(
+                key.startswith(prefix + "fp8_attention_state.") for key in state_dict):
+            self.fp8_attention_state = attention_fp8.new_state("cpu")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _dropout_rng(self, p: float):
         if p > 0 and self.get_rng_state_tracker is not None:
@@ -145,7 +198,8 @@ def _check_unsupported(owner: str, bias_type: str, bias, alibi_slopes, inference
              if bad]
     if given:
         raise ValueError(f"{owner}: {', '.join(given)} not supported (attention biases, ALiBi, KV caches and FP8 "
-                         f"attention are not implemented); leave them at their defaults")
+                         f"output tensors are not implemented; FP8 attention through a recipe's fp8_dpa returns the "
+                         f"inputs' dtype); leave them at their defaults")
 
 
 # -- helpers for MultiheadAttention / TransformerLayer in thd --------------------------------------

@@ -205,18 +205,24 @@ class _Builder:
         return args
 
     def finish(self):
-        g, cd = self.graph, self.cd
-        try:
-            g.validate()
-            g.build_operation_graph()
-            g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
-            g.check_support()
-            g.build_plans()
-        except Exception as err:  # cudnnGraphNotSupportedError and the frontend's ValueErrors alike
-            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise CudnnFeUnsupported(f"cuDNN cannot build this attention graph ({first})") from err
-        self.workspace = g.get_workspace_size()
+        self.workspace = build_plans(self.graph)
         return self
+
+
+def build_plans(g) -> int:
+    """Validate a described pygraph and build its execution plans; -> its workspace size in bytes. Raises
+    CudnnFeUnsupported with cuDNN's first line when it refuses the graph."""
+    cd = frontend()
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+    except Exception as err:  # cudnnGraphNotSupportedError and the frontend's ValueErrors alike
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise CudnnFeUnsupported(f"cuDNN cannot build this attention graph ({first})") from err
+    return g.get_workspace_size()
 
 
 def _o_strides(key: GraphKey):
@@ -258,6 +264,14 @@ def _build_backward(key: GraphKey, handle) -> _Builder:
 
 def _graph(key: GraphKey, which: str) -> _Builder:
     """The cached graph (or the cached reason it cannot be built)."""
+    build = {"fwd": _build_forward, "bwd": _build_backward,
+             "fwd_dump": lambda k, h: _build_forward(k, h, dump=True)}[which]
+    return cached_graph(key, which, build)
+
+
+def cached_graph(key, which: str, build):
+    """The graph `build(key, handle)` made for (key, which), from the cache shared by every attention graph
+    of the process (bf16 and FP8; key.device names the device), or the cached reason it cannot be built."""
     with _lock:
         entry = _graphs.get((key, which))
         if entry is not None:
@@ -265,11 +279,9 @@ def _graph(key: GraphKey, which: str) -> _Builder:
     if entry is None:
         handle = _handle(key.device)
         try:
-            build = {"fwd": _build_forward, "bwd": _build_backward,
-                     "fwd_dump": lambda k, h: _build_forward(k, h, dump=True)}[which]
             entry = build(key, handle)
         except CudnnFeUnsupported as err:
-            entry = err
+            entry = CudnnFeUnsupported(str(err))  # the reason alone: a kept traceback would keep the graph's objects
         with _lock:
             _graphs[(key, which)] = entry
             while len(_graphs) > _CACHE_SIZE:

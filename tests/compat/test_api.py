@@ -89,9 +89,13 @@ def test_unknown_keywords_warn_once_naming_them():
         recipe.DelayedScaling(params_dtype=torch.bfloat16, device="cpu")  # once is enough
 
 
-def test_fp8_dpa_is_ignored_with_a_warning():
-    with pytest.warns(UserWarning, match="fp8_dpa"):
-        recipe.to_te_parallel(recipe.DelayedScaling(fp8_dpa=True, amax_history_len=3))
+def test_fp8_dpa_carries_over_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted = recipe.to_te_parallel(recipe.DelayedScaling(fp8_dpa=True, amax_history_len=3))
+    assert converted.fp8_dpa and not converted.fp8_mha
+    with pytest.raises(ValueError, match="fp8_dpa / fp8_mha"):
+        recipe.to_te_parallel(recipe.Float8BlockScaling(fp8_dpa=True))
 
 
 def test_recipes_te_parallel_does_not_have_raise_at_use():

@@ -207,9 +207,6 @@ def _format(recipe: Recipe) -> tp_recipe.Format:
 
 
 def _common_checks(recipe: Recipe) -> None:
-    if recipe.fp8_dpa or recipe.fp8_mha:
-        _warn_once("fp8_dpa", f"{type(recipe).__name__}: fp8_dpa / fp8_mha ignored: te_parallel runs attention in high "
-                              f"precision (its GEMMs stay FP8)")
     if getattr(recipe, "backward_override", None) is not None:
         raise NotImplementedError(f"{type(recipe).__name__}: backward_override={recipe.backward_override!r} is not "
                                   f"implemented in te_parallel; leave it None")
@@ -224,7 +221,8 @@ def _delayed(recipe: DelayedScaling) -> tp_recipe.DelayedScaling:
     return tp_recipe.DelayedScaling(
         margin=recipe.margin, interval=recipe.interval, fp8_format=_format(recipe),
         amax_history_len=recipe.amax_history_len, amax_compute_algo=recipe.amax_compute_algo,
-        scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, reduce_amax=recipe.reduce_amax)
+        scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, reduce_amax=recipe.reduce_amax,
+        fp8_dpa=bool(recipe.fp8_dpa), fp8_mha=bool(recipe.fp8_mha))
 
 
 def _current(recipe: Float8CurrentScaling) -> tp_recipe.Float8CurrentScaling:
@@ -232,7 +230,8 @@ def _current(recipe: Float8CurrentScaling) -> tp_recipe.Float8CurrentScaling:
     if recipe.use_power_2_scales or any(q != QParams() for q in qparams):
         _warn_once("qparams", "Float8CurrentScaling: use_power_2_scales / QParams ignored: te_parallel's current scaling "
                               "uses fp8_max / amax as is")
-    return tp_recipe.Float8CurrentScaling(fp8_format=_format(recipe), **_mm_params(recipe))
+    return tp_recipe.Float8CurrentScaling(fp8_format=_format(recipe), fp8_dpa=bool(recipe.fp8_dpa),
+                                          fp8_mha=bool(recipe.fp8_mha), **_mm_params(recipe))
 
 
 def _mm_params(recipe: Recipe) -> Dict[str, tp_recipe.MMParams]:
@@ -252,7 +251,8 @@ def _qparams(recipe: Recipe, name: str) -> tp_recipe.QParams:
 def _block(recipe: Float8BlockScaling) -> tp_recipe.Float8BlockScaling:
     dims = {f"{r}_block_scaling_dim": getattr(recipe, f"{r}_block_scaling_dim") for r in ("x", "w", "grad")}
     qparams = {n: _qparams(recipe, n) for n in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")}
-    return tp_recipe.Float8BlockScaling(fp8_format=_format(recipe), **qparams, **dims, **_mm_params(recipe))
+    return tp_recipe.Float8BlockScaling(fp8_format=_format(recipe), **qparams, **dims, **_mm_params(recipe),
+                                        fp8_dpa=bool(recipe.fp8_dpa), fp8_mha=bool(recipe.fp8_mha))
 
 
 _CONVERT = ((DelayedScaling, _delayed), (Float8CurrentScaling, _current), (Float8BlockScaling, _block))
