@@ -8,9 +8,11 @@ operations) the pickle of an empty dict. Parameter names are the same (TE's).
     sd_te = te.to_te_state_dict(model.state_dict(), model)        # write TE's layout (for TE users)
     model.load_state_dict(te.from_te_state_dict(sd_te, model))    # read it, FP8 state kept, strict
 
-Reading never executes pickled code (te_parallel.fp8.te_extra_state). The attention's or a norm's
-extra state holds no FP8 scaling state here (te_parallel's attention runs in high precision); a
-non-empty one is dropped with a warning.
+Reading never executes pickled code (te_parallel.fp8.te_extra_state). FP8 attention's scaling state
+(`<m>.fp8_attention_state.*`, recipes' fp8_dpa) has no counterpart in TE's layout that te_parallel writes or
+reads: it is left out of the TE layout (with a warning where it holds recorded amaxes), and a TE layout loads
+into a layer that has it as a fresh state, so the attention's scales restart from their first update, as a
+fresh layer's do. A non-empty attention or norm extra state of TE's is dropped with a warning.
 """
 from __future__ import annotations
 
@@ -111,7 +113,23 @@ def to_te_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
             out[prefix + EXTRA] = _fp8_blob(tensors, module._modules["fp8_state"].num_gemms, recipe)
         else:
             out[prefix + EXTRA] = _empty_op_state() if kind == "op" else tex.EMPTY()
+            if kind == "attention":
+                _drop_attention_state(out, prefix)
     return out
+
+
+_ATTENTION_STATE = "fp8_attention_state."
+
+
+def _drop_attention_state(out: Dict[str, torch.Tensor], prefix: str) -> None:
+    """Leaves FP8 attention's scaling state out of a TE layout, warning where it has recorded amaxes."""
+    keys = [k for k in out if k.startswith(prefix + _ATTENTION_STATE)]
+    history = [out[k] for k in keys if k.endswith("amax_history")]
+    for k in keys:
+        del out[k]
+    if any(bool(h.any()) for h in history):
+        warnings.warn(f"to_te_state_dict: the FP8 attention scaling state of '{prefix[:-1]}' (fp8_dpa) is not "
+                      f"written in TE's layout; a model loaded from it restarts those scales", stacklevel=3)
 
 
 def from_te_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -125,6 +143,10 @@ def from_te_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module) ->
         where = f" of '{prefix[:-1]}'" if prefix else ""
         if kind != "fp8":
             _check_stateless(blob, where)
+            attention_state = module._modules.get("fp8_attention_state")
+            if isinstance(attention_state, FP8ScalingState):  # (a layer that ran FP8 attention: fresh scales)
+                for k, v in _fresh_like(attention_state).items():
+                    out.setdefault(f"{prefix}{_ATTENTION_STATE}{k}", v)
             continue
         state = module._modules["fp8_state"]
         te = tex.decode(blob, state.num_gemms, where)
@@ -135,6 +157,12 @@ def from_te_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module) ->
         for k, v in tensors.items():
             out.setdefault(f"{prefix}fp8_state.{k}", v)
     return out
+
+
+def _fresh_like(state: FP8ScalingState) -> Dict[str, torch.Tensor]:
+    """Every tensor of `state`'s state dict as a state that never ran has it: amax histories and counts zero,
+    scales one."""
+    return {k: (torch.ones_like(v) if "scale" in k else torch.zeros_like(v)).cpu() for k, v in state.state_dict().items()}
 
 
 def _fresh(state: FP8ScalingState) -> Dict[str, torch.Tensor]:

@@ -88,3 +88,29 @@ def test_custom_amax_function_cannot_be_written():
         m(torch.randn(16, 16)).sum().backward()
     with pytest.raises(ValueError, match="custom amax"):
         te.to_te_state_dict(m.state_dict(), m, r)
+
+
+def test_fp8_attention_state_is_left_out_of_tes_layout_and_loads_fresh():
+    """A layer that ran FP8 attention (fp8_dpa) has `fp8_attention_state`: TE's layout leaves it out with a warning,
+    and that layout loads back strictly, the attention's scales fresh and everything else as saved."""
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, device="cpu")  # head dim 16
+    rec = R.DelayedScaling(amax_history_len=4, fp8_dpa=True)
+    for _ in range(2):
+        with te.fp8_autocast(fp8_recipe=rec):
+            out = layer(torch.randn(16, 2, 64))
+        out.sum().backward()
+    sd = layer.state_dict()
+    att = [k for k in sd if ".fp8_attention_state." in k]
+    assert att and any(sd[k].any() for k in att if k.endswith("amax_history"))
+    with pytest.warns(UserWarning, match="FP8 attention scaling state"):
+        te_sd = te.to_te_state_dict(sd, layer)
+    assert not any(".fp8_attention_state." in k for k in te_sd)
+    back = te.from_te_state_dict(te_sd, layer)
+    layer.load_state_dict(back, strict=True)
+    for k in att:
+        want = torch.ones_like(sd[k]) if "scale" in k else torch.zeros_like(sd[k])
+        assert torch.equal(layer.state_dict()[k].cpu(), want), k
+    for k in sd:
+        if k not in att and not k.endswith("_extra_state"):
+            assert torch.equal(layer.state_dict()[k], sd[k]), k
