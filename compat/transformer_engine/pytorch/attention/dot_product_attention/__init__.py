@@ -2,8 +2,9 @@
 
 As in TE, `attention_mask` is ignored for the mask types that need none ("no_mask", "causal",
 "causal_bottom_right"): Megatron passes its causal mask with attn_mask_type="causal".
-Context parallelism (`cp_group`, `cp_comm_type`, ...) is te_parallel's. FP8 attention (recipes' fp8_dpa),
-non-vanilla softmax, `return_max_logit`, ALiBi and KV caches raise NotImplementedError; packed sequences
+Context parallelism (`cp_group`, `cp_comm_type`, ...) and FP8 attention (recipes' `fp8_dpa` / `fp8_mha`: cuDNN's
+FP8 fused attention) are te_parallel's. Non-vanilla softmax, `return_max_logit`, ALiBi and KV caches raise
+NotImplementedError; packed sequences
 (`cu_seqlens_*`, `max_seqlen_*`, qkv_format="thd") go to te_parallel's attention where it takes them.
 
 `_attention_backends` is TE's cache of its backend choice, kept for the code that reads or resets it;
