@@ -503,3 +503,25 @@ def test_dequantize_checks_and_cpu_path():
         fp8_dequantize.dequantize(t8, torch.ones(2), torch.bfloat16)
     with pytest.raises(ValueError, match="got torch.bfloat16 bytes"):
         fp8_dequantize.dequantize(out, torch.tensor(1.0), torch.float32)
+
+
+def test_activation_recompute_runs_attention_in_high_precision_with_one_warning():
+    """Under te.checkpoint the original forward and its replay both run high-precision attention (FP8 attention
+    does not replay its forward's scales): one warning naming it, and the gradients of a checkpointed step equal
+    those of the same step without FP8 attention."""
+    torch.manual_seed(0)
+    mk = lambda n: torch.randn(32, 2, n, 16, dtype=torch.float32, requires_grad=True)  # noqa: E731
+    q, k, v = mk(4), mk(2), mk(2)
+    dpa = te.DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type="causal")
+    attn_ops._WARNED.clear()
+    with pytest.warns(UserWarning, match="activation recompute"):
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+            out = te.checkpoint(dpa, q, k, v)
+    assert dpa.last_backend not in ("cudnn_fe_fp8", "fp8_emulation")
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    dpa(q, k, v).square().sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        assert torch.equal(g, t.grad)

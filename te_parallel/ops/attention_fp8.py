@@ -117,6 +117,8 @@ def unsupported_reason(q, k, v, fmt: str, mask_type: str, band: Band, dropout: f
     and GPU route alike; then the kernel's (CUDA only)."""
     if torch.compiler.is_compiling():
         return "inside a torch.compile trace"
+    if _autocast.checkpoint_stash() is not None:  # (the original pass and its replay alike: both run high precision)
+        return "activation recompute (te.checkpoint), whose replay FP8 attention's scales do not follow"
     if context_parallel:
         return "context parallelism (FP8 attention runs on one rank's whole sequence)"
     if fmt not in ("sbhd", "bshd"):
@@ -132,8 +134,8 @@ def unsupported_reason(q, k, v, fmt: str, mask_type: str, band: Band, dropout: f
         return f"dtype {q.dtype}"
     if q.is_cuda:
         major, minor = torch.cuda.get_device_capability(q.device)
-        if major != 9:
-            return f"compute capability {major}.{minor} (cuDNN's FP8 attention kernels here are Hopper's, 9.x)"
+        if major < 9:
+            return f"compute capability {major}.{minor} (cuDNN's FP8 attention kernels need Hopper or newer, 9.0+)"
         if not fe.available():
             return "the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend)"
     return None

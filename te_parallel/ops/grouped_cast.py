@@ -43,6 +43,10 @@ def usable(w3: torch.Tensor) -> bool:
 def quantize_experts(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """The FP8 bytes [G, N, K] of W [G, N, K] times scale [G] (fp32, any stride: e.g. every other slot of a
     delayed-scaling state), one launch."""
+    if not usable(w3) or scale.device != w3.device:
+        raise ValueError(f"quantize_experts: needs a CUDA W [G, N, K] of {', '.join(map(str, _IN_DTYPES))} with triton, "
+                         f"outside a torch.compile trace, and the scale on W's device; got W {tuple(w3.shape)} "
+                         f"{w3.dtype} on {w3.device}, scale on {scale.device} (quantize_grouped_reference runs elsewhere)")
     g, n, k = w3.shape
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or scale.shape != (g,):
         raise ValueError(f"quantize_experts: got W {tuple(w3.shape)}, scale {tuple(scale.shape)}, {fp8_dtype}; need "

@@ -140,6 +140,7 @@ def quantize_grouped(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
 def quantize_grouped_reference(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """quantize_grouped's bytes [G, N, K] in torch ops: row chunks of at most _CAST_CHUNK elements bound the fp32
     temporary."""
+    w3 = w3.detach()
     g, n, k = w3.shape
     limit = fp8_max(fp8_dtype)
     data = torch.empty((g, n, k), dtype=fp8_dtype, device=w3.device)

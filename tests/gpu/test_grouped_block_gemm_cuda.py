@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 if gbg.triton is None:
     pytest.skip("needs triton (import triton failed)", allow_module_level=True)
 if torch.cuda.get_device_capability() < (9, 0):
-    pytest.skip(f"needs an sm_90 GPU (Hopper) for the kernel's FP8 wgmma, this one has compute capability "
+    pytest.skip(f"needs a GPU of compute capability 9.0 or newer (Hopper) for the kernel's FP8 wgmma, this one has "
                 f"{torch.cuda.get_device_capability()}", allow_module_level=True)
 
 TOL = {torch.float32: fp8_gemm_tol("cuda"), torch.bfloat16: 2**-8 + fp8_gemm_tol("cuda")}
