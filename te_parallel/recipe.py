@@ -14,9 +14,9 @@ Two families:
   computed from the tile's own amax (DeepSeek-V3's recipe; Megatron's `fp8_recipe="blockwise"`).
 
 A recipe holds settings; what it does to the GEMM operands is its quantizers' (te_parallel.fp8.gemm_quantizers
-for the modules' GEMMs, registered per recipe type; te_parallel.fp8.quantizers for TE's API). `Recipe.scaling`
-("delayed", "current", "block") names the kind for TE's helpers below and the quantizer modules; the GEMM
-path asks the quantizers what it needs, never which recipe it runs.
+for the modules' GEMMs, te_parallel.fp8.quantizers for TE's API), both registered once per recipe type in
+te_parallel.fp8.recipe_registry. `Recipe.scaling` ("delayed", "current", "block") names the kind for TE's
+helpers below; the GEMM path asks the quantizers what it needs, never which recipe it runs.
 """
 from __future__ import annotations
 

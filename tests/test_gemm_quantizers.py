@@ -1,5 +1,6 @@
 """The GEMM modules' quantizers (te_parallel.fp8.gemm_quantizers): what each family declares, its casts
-against the fp64 references, the registry, and a recipe added through the registry alone."""
+against the fp64 references, the registry (te_parallel.fp8.recipe_registry), and a recipe added through one
+registration alone: the modules run it, and TE's API makes its quantizers."""
 from dataclasses import dataclass
 
 import pytest
@@ -8,7 +9,10 @@ import torch
 import te_parallel as te
 from te_parallel import recipe as R
 from te_parallel.fp8 import gemm_quantizers as GQ
+from te_parallel.fp8 import quantizers as Q
+from te_parallel.fp8 import recipe_registry as RR
 from te_parallel.fp8.blockwise import quantize_blockwise_reference
+from te_parallel.fp8.quantizers.dtypes import torch_dtype
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.ops.cast import dequantize_reference, quantize_reference
 from te_parallel.ops.fp8_gemm_config import GemmFP8
@@ -53,7 +57,12 @@ def test_unregistered_recipes_are_refused_in_one_line():
         assert "\n" not in str(e.value) and type(rec).__name__ in str(e.value)
         assert "not implemented in te_parallel" in str(e.value)
     with pytest.raises(TypeError, match="subclass of te_parallel.recipe.Recipe, got <class 'int'>"):
-        GQ.register_recipe(int, lambda r: None)
+        GQ.register_recipe(int, gemm=lambda r: None, quantizer=None)
+    with pytest.raises(ValueError, match="_ThirdRangeScaling was given neither gemm= nor quantizer="):
+        RR.register_recipe(_ThirdRangeScaling, gemm=None, quantizer=None)
+    with pytest.raises(TypeError, match="quantizer of _ThirdRangeScaling must be a callable or None, got 3"):
+        RR.register_recipe(_ThirdRangeScaling, gemm=None, quantizer=3)
+    assert RR.factories_of(_ThirdRangeScaling()) is None  # (nothing was registered by the refused calls)
     with pytest.raises(ValueError, match="role must be 'x', 'w' or 'grad', got 'y'"):
         GQ.CurrentScalingQuantizer("y", torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="not known before the cast"):
@@ -142,16 +151,43 @@ def _third_range(recipe):
                              _ThirdRangeQuantizer("grad", fmt.bwd_dtype))
 
 
+class _ThirdRangePublicQuantizer(Q.Float8CurrentScalingQuantizer):
+    """The test recipe's quantizer in TE's API: current scaling's, with the scale from 3 * amax."""
+
+    def scale_of(self, x):
+        from te_parallel.ops import cast
+        largest = torch.full((1,), fp8_max(torch_dtype(self.dtype)), device=x.device)
+        return largest / (FACTOR * cast.amax_of(x).reshape(1))
+
+
+def _third_range_public(recipe, kind, *, rowwise, columnwise, scale, amax, device):
+    return _ThirdRangePublicQuantizer(recipe.fp8_format.bwd_dtype if kind == "grad" else recipe.fp8_format.fwd_dtype,
+                                      device, rowwise=rowwise, columnwise=columnwise)
+
+
+def _fp8_third_range(t):
+    """The test recipe's quantization (E4M3), in fp64: quantize with fp8_max / (3 amax), then dequantize."""
+    scale = torch.tensor(fp8_max(torch.float8_e4m3fn), dtype=torch.float64) / (FACTOR * t.abs().max().double())
+    return dequantize_reference(quantize_reference(t, scale.float(), torch.float8_e4m3fn),
+                                torch.reciprocal(scale.float()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ThirdRangeSubclass(_ThirdRangeScaling):
+    """A subclass of the test recipe that registers nothing: it takes its base's registration."""
+
+
 def test_a_registered_recipe_runs_the_modules(device, monkeypatch):
-    """A recipe added through the registry alone runs te.Linear forward and backward: its casts are the
+    """A recipe added through one registration alone runs te.Linear forward and backward: its casts are the
     ones used (checked against an fp64 model of them), and nothing else needed to know about it."""
-    monkeypatch.setattr(GQ, "_FAMILIES", dict(GQ._FAMILIES))
+    monkeypatch.setattr(RR, "_REGISTERED", dict(RR._REGISTERED))
     monkeypatch.setattr(GQ, "_MADE", {})
     with pytest.raises(NotImplementedError, match="_ThirdRangeScaling"):
         with te.fp8_autocast(fp8_recipe=_ThirdRangeScaling()):
             pass
-    GQ.register_recipe(_ThirdRangeScaling, _third_range)
+    RR.register_recipe(_ThirdRangeScaling, gemm=_third_range, quantizer=_third_range_public)
     assert not GQ.gemm_quantizers(_ThirdRangeScaling()).native_fprop  # (the one-call CUDA Linear leaves it alone)
+    assert type(GQ.gemm_quantizers(_ThirdRangeSubclass()).grad) is _ThirdRangeQuantizer  # (a subclass: its base's)
     rec = _ThirdRangeScaling(fp8_format=R.Format.E4M3)
     m = te.Linear(64, 32, bias=False, device=device)
     x = torch.randn(16, 64, device=device, requires_grad=True)
@@ -160,13 +196,40 @@ def test_a_registered_recipe_runs_the_modules(device, monkeypatch):
     dy = torch.randn_like(y)
     y.backward(dy)
 
-    def fp8_third_range(t):  # the test recipe's quantization, in fp64
-        scale = torch.tensor(fp8_max(torch.float8_e4m3fn), dtype=torch.float64) / (FACTOR * t.abs().max().double())
-        return dequantize_reference(quantize_reference(t, scale.float(), torch.float8_e4m3fn),
-                                    torch.reciprocal(scale.float()))
-
     w = m.weight.detach()
-    xq, wq, dyq = fp8_third_range(x.detach()), fp8_third_range(w), fp8_third_range(dy)
+    xq, wq, dyq = _fp8_third_range(x.detach()), _fp8_third_range(w), _fp8_third_range(dy)
     torch.testing.assert_close(y.double(), xq @ wq.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), dyq @ wq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.weight.grad.double(), dyq.t() @ xq, rtol=1e-5, atol=1e-5)
+
+
+def test_the_same_registration_gives_tes_quantizers(device, monkeypatch):
+    """The registration that runs the modules also gives the recipe's quantizers in TE's API (make_quantizer,
+    recipe_quantizers), each writing the usages asked for, with the recipe's casts (fp64 model); before it, and
+    for a recipe registered without a public quantizer, make_quantizer refuses in one line."""
+    monkeypatch.setattr(RR, "_REGISTERED", dict(RR._REGISTERED))
+    monkeypatch.setattr(GQ, "_MADE", {})
+    role = te.QuantizerRole(tensor_type="weight")
+    with pytest.raises(ValueError) as e:
+        te.make_quantizer(_ThirdRangeScaling(), role)
+    msg = str(e.value)
+    assert "\n" not in msg and "no quantizer is registered for _ThirdRangeScaling" in msg
+    assert "registered: DelayedScaling, Float8CurrentScaling, Float8BlockScaling" in msg
+    RR.register_recipe(_ThirdRangeScaling, gemm=_third_range, quantizer=None)  # (modules only)
+    with pytest.raises(ValueError, match="no quantizer is registered for _ThirdRangeSubclass"):
+        te.make_quantizer(_ThirdRangeSubclass(), role)
+    RR.register_recipe(_ThirdRangeScaling, gemm=_third_range, quantizer=_third_range_public)
+    for rec in (_ThirdRangeScaling(fp8_format=R.Format.E4M3), _ThirdRangeSubclass(fp8_format=R.Format.E4M3)):
+        qs = te.recipe_quantizers(rec, device=device)
+        assert all(type(getattr(qs, f)) is _ThirdRangePublicQuantizer for f in qs.__dataclass_fields__)
+        assert qs.dgrad_weight.get_usages() == {"rowwise": False, "columnwise": True}
+        assert qs.fprop_input.dtype == qs.dgrad_grad_output.dtype == Q.DType.kFloat8E4M3
+        x = torch.randn(48, 64, device=device) * 5
+        qx = te.make_quantizer(rec, te.QuantizerRole(tensor_type="input"))(x)
+        assert qx.get_usages() == {"rowwise": True, "columnwise": True}
+        torch.testing.assert_close(qx.dequantize().double(), _fp8_third_range(x), rtol=1e-6, atol=0)
+        # the transpose holds the same bytes as the rowwise data
+        assert torch.equal(qx._transpose, qx._data.t())
+        # and the bytes are those the modules' family writes for the same tensor
+        op = GQ.gemm_quantizers(rec).input.quantize(x, None)
+        assert torch.equal(qx._data, op.data.view(torch.uint8))

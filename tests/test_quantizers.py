@@ -1,5 +1,6 @@
 """TE 2.x's quantizer API (te_parallel.fp8.quantizers) against fp64 references: delayed, current and block
 scaling, usages, TE's layouts, ops on quantized tensors, recipes' quantizers, the one-line errors."""
+import dataclasses
 import enum
 import io
 import math
@@ -295,6 +296,27 @@ def test_recipe_quantizers_for_each_recipe(device):
         mx.fprop_input(torch.randn(4, 128))
     with pytest.raises(ValueError, match="tensor_type"):
         te.make_quantizer(block, te.QuantizerRole(tensor_type="qkv"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _BlockScalingOfMine(R.Float8BlockScaling):
+    """A user's subclass of a registered recipe: it takes the base's quantizers."""
+
+
+def test_recipe_quantizers_follow_the_recipe_type(device):
+    """The factory is the one the recipe's type (or its nearest registered base) registered: a subclass of
+    Float8BlockScaling gets block quantizers with its own settings; an unregistered recipe type is refused
+    in one line naming it and the registered ones."""
+    sub = _BlockScalingOfMine(x_block_scaling_dim=1, w_block_scaling_dim=1)
+    qs = te.recipe_quantizers(sub, device=device)
+    assert all(type(getattr(qs, f)) is Q.Float8BlockQuantizer for f in qs.__dataclass_fields__)
+    assert qs.fprop_weight.block_scaling_dim == 1
+    with pytest.raises(ValueError) as e:
+        te.make_quantizer(R.Recipe(), te.QuantizerRole(tensor_type="input"))
+    message = _one_line(e)
+    assert "no quantizer is registered for Recipe" in message
+    assert ("registered: DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, "
+            "NVFP4BlockScaling") in message
 
 
 # --- errors and availability ------------------------------------------------------------------------------------

@@ -25,9 +25,11 @@ Families: `DelayedScalingQuantizer` (per tensor, scale from the amax history of 
 scale per tile or block, each from its own amax). All of them cast through ops.cast and
 fp8.blockwise, the casts TE's public quantizers (fp8.quantizers) use.
 
-A recipe type maps to its family through `register_recipe` (the extension point: docs/architecture.md,
-"Adding a scaling recipe"); `gemm_quantizers(recipe)` makes a recipe's set once and returns the same
-objects for the same recipe object (the autocast region holds them for its forward).
+A recipe type maps to its family through fp8.recipe_registry's `register_recipe`, one call that also gives
+the recipe's TE-API quantizer factory (fp8.quantizers.recipes); the built-in recipes are registered at the end
+of this module (the extension point: docs/architecture.md, "Adding a scaling recipe"). `gemm_quantizers(recipe)`
+makes a recipe's set once and returns the same objects for the same recipe object (the autocast region holds
+them for its forward).
 """
 from __future__ import annotations
 
@@ -39,12 +41,15 @@ import torch
 import torch.distributed as dist
 
 from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise
+from te_parallel.fp8.quantizers.recipes import (block_quantizer, current_quantizer, delayed_quantizer,
+                                                mxfp8_quantizer, nvfp4_quantizer)
+from te_parallel.fp8.recipe_registry import factories_of, register_recipe, registered_names
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import cast as _cast
 from te_parallel.parallel.groups import group_size
-from te_parallel.recipe import (UNSUPPORTED_SCALING, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, QParams,
-                                Recipe)
+from te_parallel.recipe import (UNSUPPORTED_SCALING, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                                MXFP8BlockScaling, NVFP4BlockScaling, QParams, Recipe)
 
 __all__ = ["Granularity", "OperandQuantizer", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
            "BlockScalingQuantizer", "GemmQuantizers", "register_recipe", "gemm_quantizers", "WeightSource",
@@ -241,43 +246,38 @@ def _block(recipe: Float8BlockScaling) -> GemmQuantizers:
     return GemmQuantizers(q("x", fmt.fwd_dtype), q("w", fmt.fwd_dtype), q("grad", fmt.bwd_dtype))
 
 
-# recipe type -> the function making its quantizers (a subclass of a registered recipe takes its base's)
-_FAMILIES: Dict[type, Callable[[Recipe], GemmQuantizers]] = {}
-# id(recipe) -> (recipe, its quantizers): made once per recipe object (recipes are frozen); the recipe is held
-# so that its id is not reused while the entry exists
-_MADE: Dict[int, Tuple[Recipe, GemmQuantizers]] = {}
+# id(recipe) -> (recipe, the factory that made them, its quantizers): made once per recipe object (recipes are
+# frozen); the recipe is held so that its id is not reused while the entry exists, the factory so that a type
+# registered again makes new ones
+_MADE: Dict[int, Tuple[Recipe, Callable[[Recipe], GemmQuantizers], GemmQuantizers]] = {}
 _MADE_MAX = 64
 
 
-def register_recipe(recipe_type: type, make: Callable[[Recipe], GemmQuantizers]) -> None:
-    """Make `recipe_type`'s GEMM quantizers with `make(recipe)` (the extension point of a new recipe)."""
-    if not (isinstance(recipe_type, type) and issubclass(recipe_type, Recipe)):
-        raise TypeError(f"register_recipe: recipe_type must be a subclass of te_parallel.recipe.Recipe, got "
-                        f"{recipe_type!r}")
-    _FAMILIES[recipe_type] = make
-    _MADE.clear()
-
-
 def gemm_quantizers(recipe: Recipe) -> GemmQuantizers:
-    """`recipe`'s GemmQuantizers (the same objects for the same recipe object)."""
-    hit = _MADE.get(id(recipe))
-    if hit is not None and hit[0] is recipe:
-        return hit[1]
-    make = next((_FAMILIES[t] for t in type(recipe).__mro__ if t in _FAMILIES), None)
+    """`recipe`'s GemmQuantizers (the same objects for the same recipe object), from the `gemm` factory its
+    type registered (fp8.recipe_registry); one line naming the recipe and the ones that run when there is none."""
+    entry = factories_of(recipe)
+    make = None if entry is None else entry.gemm
     if make is None:
         what = UNSUPPORTED_SCALING.get(recipe.scaling, type(recipe).__name__)
-        raise NotImplementedError(f"fp8_autocast: {what} is not implemented in te_parallel; use DelayedScaling, "
-                                  f"Float8CurrentScaling or Float8BlockScaling")
+        raise NotImplementedError(f"fp8_autocast: {what} is not implemented in te_parallel; use "
+                                  f"{registered_names('gemm', last=' or ')}")
+    hit = _MADE.get(id(recipe))
+    if hit is not None and hit[0] is recipe and hit[1] is make:
+        return hit[2]
     made = make(recipe)
     if len(_MADE) >= _MADE_MAX:
         _MADE.clear()
-    _MADE[id(recipe)] = (recipe, made)
+    _MADE[id(recipe)] = (recipe, make, made)
     return made
 
 
-register_recipe(DelayedScaling, _delayed)
-register_recipe(Float8CurrentScaling, _current)
-register_recipe(Float8BlockScaling, _block)
+# the built-in recipes: each registers its GEMM family and its TE-API quantizer (fp8.quantizers) in one call
+register_recipe(DelayedScaling, gemm=_delayed, quantizer=delayed_quantizer)
+register_recipe(Float8CurrentScaling, gemm=_current, quantizer=current_quantizer)
+register_recipe(Float8BlockScaling, gemm=_block, quantizer=block_quantizer)
+register_recipe(MXFP8BlockScaling, gemm=None, quantizer=mxfp8_quantizer)  # (Blackwell: the modules refuse it)
+register_recipe(NVFP4BlockScaling, gemm=None, quantizer=nvfp4_quantizer)
 
 
 def spans_ranks(group) -> bool:

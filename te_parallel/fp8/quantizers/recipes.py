@@ -6,12 +6,15 @@
 
 Per operand kind (TE's `QuantizerRole.tensor_type`): input / output use the recipe's forward format and x
 settings, weight its forward format and w settings, grad_output / grad_input its backward format and grad
-settings. The factory of each recipe is looked up by `Recipe.scaling`; nothing else asks which recipe it is.
+settings. Each recipe type's factory is the `quantizer` it registered, with its GEMM family, in one call to
+te_parallel.fp8.recipe_registry.register_recipe (a subclass takes its base's); the factories of the built-in
+recipes are below (`delayed_quantizer`, ...), registered in te_parallel.fp8.gemm_quantizers. Nothing else
+asks which recipe it is.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -19,9 +22,11 @@ from te_parallel.fp8.quantizers.base import Quantizer
 from te_parallel.fp8.quantizers.blackwell import MXFP8Quantizer, NVFP4Quantizer
 from te_parallel.fp8.quantizers.block import Float8BlockQuantizer
 from te_parallel.fp8.quantizers.per_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+from te_parallel.fp8.recipe_registry import factories_of, registered_names
 from te_parallel.recipe import Recipe
 
-__all__ = ["QuantizerRole", "LinearQuantizers", "make_quantizer", "recipe_quantizers", "TENSOR_TYPES"]
+__all__ = ["QuantizerRole", "LinearQuantizers", "make_quantizer", "recipe_quantizers", "TENSOR_TYPES",
+           "fp8_dtype_of_kind", "delayed_quantizer", "current_quantizer", "block_quantizer", "mxfp8_quantizer", "nvfp4_quantizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,37 +47,37 @@ class QuantizerRole:
 TENSOR_TYPES = {"input": "x", "output": "x", "weight": "w", "grad_output": "grad", "grad_input": "grad"}
 
 
-def _fp8_dtype(recipe: Recipe, kind: str) -> torch.dtype:
+def fp8_dtype_of_kind(recipe: Recipe, kind: str) -> torch.dtype:
+    """The FP8 dtype `recipe` gives an operand kind: its backward format for "grad", else its forward one."""
     return recipe.fp8_format.bwd_dtype if kind == "grad" else recipe.fp8_format.fwd_dtype
 
 
-def _delayed(recipe, kind, usage, scale, amax, device) -> Quantizer:
+# The built-in recipes' public quantizer factories (te_parallel.fp8.recipe_registry: the `quantizer` signature).
+def delayed_quantizer(recipe, kind, *, rowwise, columnwise, scale, amax, device) -> Quantizer:
     if scale is None or amax is None:
         raise ValueError("DelayedScaling quantizers need the operand's scale and amax tensors (its delayed-scaling "
                          "state); pass scale= and amax=")
-    return Float8Quantizer(scale, amax, _fp8_dtype(recipe, kind), **usage)
+    return Float8Quantizer(scale, amax, fp8_dtype_of_kind(recipe, kind), rowwise=rowwise, columnwise=columnwise)
 
 
-def _current(recipe, kind, usage, scale, amax, device) -> Quantizer:
-    return Float8CurrentScalingQuantizer(_fp8_dtype(recipe, kind), device, **usage)
+def current_quantizer(recipe, kind, *, rowwise, columnwise, scale, amax, device) -> Quantizer:
+    return Float8CurrentScalingQuantizer(fp8_dtype_of_kind(recipe, kind), device, rowwise=rowwise,
+                                         columnwise=columnwise)
 
 
-def _block(recipe, kind, usage, scale, amax, device) -> Quantizer:
+def block_quantizer(recipe, kind, *, rowwise, columnwise, scale, amax, device) -> Quantizer:
     q = recipe.qparams(kind)
-    return Float8BlockQuantizer(_fp8_dtype(recipe, kind), amax_epsilon=q.amax_epsilon,
-                                force_pow_2_scales=q.power_2_scale, block_scaling_dim=recipe.block_dim(kind), **usage)
+    return Float8BlockQuantizer(fp8_dtype_of_kind(recipe, kind), rowwise=rowwise, columnwise=columnwise,
+                                amax_epsilon=q.amax_epsilon, force_pow_2_scales=q.power_2_scale,
+                                block_scaling_dim=recipe.block_dim(kind))
 
 
-def _mxfp8(recipe, kind, usage, scale, amax, device) -> Quantizer:
-    return MXFP8Quantizer()
+def mxfp8_quantizer(recipe, kind, *, rowwise, columnwise, scale, amax, device) -> Quantizer:
+    return MXFP8Quantizer()  # (made with both usages, as TE makes it; using it raises)
 
 
-def _nvfp4(recipe, kind, usage, scale, amax, device) -> Quantizer:
+def nvfp4_quantizer(recipe, kind, *, rowwise, columnwise, scale, amax, device) -> Quantizer:
     return NVFP4Quantizer()
-
-
-_FACTORIES: Dict[str, Callable[..., Quantizer]] = {"delayed": _delayed, "current": _current, "block": _block,
-                                                   "mxfp8": _mxfp8, "nvfp4": _nvfp4}
 
 
 def make_quantizer(recipe: Recipe, role: QuantizerRole, *, rowwise: bool = True, columnwise: bool = True,
@@ -87,10 +92,13 @@ def make_quantizer(recipe: Recipe, role: QuantizerRole, *, rowwise: bool = True,
     if kind is None:
         raise ValueError(f"make_quantizer: role.tensor_type must be one of {sorted(TENSOR_TYPES)}, got "
                          f"{role.tensor_type!r}")
-    factory = _FACTORIES.get(recipe.scaling)
-    if factory is None:
-        raise ValueError(f"make_quantizer: no quantizer for {type(recipe).__name__} (scaling {recipe.scaling!r})")
-    return factory(recipe, kind, dict(rowwise=rowwise, columnwise=columnwise), scale, amax, device)
+    entry = factories_of(recipe)
+    if entry is None or entry.quantizer is None:
+        raise ValueError(f"make_quantizer: no quantizer is registered for {type(recipe).__name__} (registered: "
+                         f"{registered_names('quantizer')}); register one with "
+                         f"te_parallel.fp8.recipe_registry.register_recipe(..., quantizer=...)")
+    return entry.quantizer(recipe, kind, rowwise=rowwise, columnwise=columnwise, scale=scale, amax=amax,
+                           device=device)
 
 
 @dataclasses.dataclass(frozen=True)
