@@ -17,7 +17,7 @@ from te_parallel.parallel import context_parallel as cpm
 from te_parallel.parallel.cp_comm import ChunkOrder, packed_order
 from te_parallel.parallel import cp_ring
 from te_parallel.parallel.cp_ring import DenseChunks, PackedChunks, RankSchedule, Ring, rank_backward, rank_forward
-from tests.attention_reference import te_mask
+from tests.attention_reference import te_mask, window
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -93,21 +93,10 @@ def test_block_forward_with_lse(band, sq, skv):
     q, k, v = torch.randn(2, sq, 4, 8, dtype=torch.float64), *torch.randn(2, 2, skv, 2, 8, dtype=torch.float64)
     scale = 0.3
     out, lse, _ = block_forward(q, k, v, BlockMask(*band), scale)
-    masked = _bottom_right(sq, skv, *band)
+    masked = window(sq, skv, *band)
     ref, ref_lse = _ref(q, k, v, masked, scale)
     assert torch.allclose(out, ref, atol=1e-12)
     assert torch.allclose(lse, ref_lse, atol=1e-12)
-
-
-def _bottom_right(sq, skv, left, right):
-    i = torch.arange(sq).view(-1, 1) + (skv - sq)
-    j = torch.arange(skv).view(1, -1)
-    out = torch.zeros(sq, skv, dtype=torch.bool)
-    if left >= 0:
-        out |= j < i - left
-    if right >= 0:
-        out |= j > i + right
-    return out
 
 
 def test_block_forward_packed_matches_dense_per_sequence():
@@ -123,7 +112,7 @@ def test_block_forward_packed_matches_dense_per_sequence():
         if lq[n] == 0:
             continue
         qs, ks, vs = q[cu_q[n]:cu_q[n + 1]], k[cu_kv[n]:cu_kv[n + 1]], v[cu_kv[n]:cu_kv[n + 1]]
-        ref, ref_lse = _ref(qs[None], ks[None], vs[None], _bottom_right(lq[n], lkv[n], -1, 0), 0.5)
+        ref, ref_lse = _ref(qs[None], ks[None], vs[None], window(lq[n], lkv[n], -1, 0), 0.5)
         assert torch.allclose(out[cu_q[n]:cu_q[n + 1]], ref[0], atol=1e-12)
         assert torch.allclose(lse[cu_q[n]:cu_q[n + 1]], ref_lse[0], atol=1e-12)
 
