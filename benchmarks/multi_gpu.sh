@@ -5,8 +5,13 @@
 #   bash benchmarks/multi_gpu.sh [tests|bench|short|long|all]   (default all; from the repository root, with
 #                                                                te_parallel built and installed)
 #
-#   tests  tests/compat's Megatron CP=2 and EP=2 runs (skipped where megatron-core is not installed), then
-#          tests/distributed (pytest -q; each suite on NCCL with a GPU per rank: tests/distributed/harness.py)
+#   tests  tests/compat's Megatron CP=2 and EP=2 runs (skipped where megatron-core is not installed; the tests are
+#          written against CI's pin in .ci/client_requirements.txt, and another version is refused here), then
+#          tests/distributed (pytest -v; each suite on NCCL with a GPU per rank: tests/distributed/harness.py; a
+#          suite with more ranks than GPUs runs on gloo, as in CI). A rank stuck in a collective for
+#          TE_PARALLEL_TEST_HANG_S seconds (150 here) dumps every thread's stack and fails its test, and
+#          TE_PARALLEL_TEST_TRACE=1 names each check as it starts, so a cut run still says where it stood.
+#          OMP_NUM_THREADS (2 here, CI's cores) keeps gloo ranks from oversubscribing a many-core host.
 #   short  per world size: bench_block_gather.py, bench_ep.py, bench_cp_ring.py at 32k tokens per GPU (p2p,
 #          all_gather, a2a), each under torchrun
 #   long   bench_cp_ring.py at 128k tokens per GPU (p2p), world sizes 8, 4, 2
@@ -69,11 +74,19 @@ step() {
 }
 
 run_tests() {
-  step megatron_cp2_ep2 150 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
-    tests/compat/test_megatron_cp.py tests/compat/test_megatron_moe.py
+  local pin want
+  pin=$(grep -E '^megatron-core==' .ci/client_requirements.txt | cut -d= -f3)
+  want=$("$PY" -c "import importlib.metadata as m; print(m.version('megatron-core'))" 2>/dev/null || echo none)
+  if [ "$want" != none ] && [ "$want" != "$pin" ]; then
+    echo "megatron_cp2_ep2: skipped (megatron-core $want is installed; the tests need CI's pin $pin)" | tee -a "$LOG/summary.txt"
+  else
+    step megatron_cp2_ep2 150 env OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" "$PY" -m pytest -q -p no:randomly \
+      -p no:cacheprovider -rs tests/compat/test_megatron_cp.py tests/compat/test_megatron_moe.py
+  fi
   # (-v: every test's result is in the log as it ends, so a run cut by its timeout still says what passed)
-  step tests_distributed 480 "$PY" -m pytest -v -p no:randomly -p no:cacheprovider -rs --durations=15 \
-    --junitxml="$LOG/tests_distributed.xml" tests/distributed
+  step tests_distributed 480 env OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" \
+    TE_PARALLEL_TEST_HANG_S="${TE_PARALLEL_TEST_HANG_S:-150}" TE_PARALLEL_TEST_TRACE=1 \
+    "$PY" -m pytest -v -p no:randomly -p no:cacheprovider -rs --durations=15 --junitxml="$LOG/tests_distributed.xml" tests/distributed
 }
 
 run_bench() {  # bench_block_gather, bench_ep, bench_cp_ring at 32k tokens per GPU, for each world size
