@@ -21,6 +21,7 @@
 # `timeout`, a step that would not fit what is left is skipped and says so, and a failed step does not stop the
 # others. Logs and JSON go to $OUT/multi/ (./multi_gpu_out/multi/ without $OUT), tarred into
 # $OUT/multi_gpu_<part>.tar.gz at the end; summary.txt lists every step with its exit status and seconds.
+# MULTI_GPU_WORLDS="4 8" limits the benchmarks to those world sizes (default: 2, 4 and 8, as far as the GPUs go).
 # MULTI_GPU_DRY_RUN=<GPUs> prints the steps that many GPUs would run, with their time limits, and runs nothing.
 set -u
 PART="${1:-all}"
@@ -91,7 +92,7 @@ run_tests() {
 
 run_bench() {  # bench_block_gather, bench_ep, bench_cp_ring at 32k tokens per GPU, for each world size
   local w
-  for w in 2 4 8; do
+  for w in ${MULTI_GPU_WORLDS:-2 4 8}; do
     [ "$w" -gt "$GPUS" ] && continue
     local run=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$w")
     step "block_gather_w$w" 60 "${run[@]}" benchmarks/bench_block_gather.py --json "$LOG/block_gather_w$w.json"
@@ -102,7 +103,7 @@ run_bench() {  # bench_block_gather, bench_ep, bench_cp_ring at 32k tokens per G
 
 run_long() {  # bench_cp_ring at 128k tokens per GPU, p2p (a rank's work grows with w: w × s²/2 pairs); largest first
   local w
-  for w in 8 4 2; do
+  for w in $(echo ${MULTI_GPU_WORLDS:-2 4 8} | tr ' ' '\n' | sort -rn); do
     [ "$w" -gt "$GPUS" ] && continue
     step "cp_ring_128k_w$w" $((60 + 25 * w)) "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
       benchmarks/bench_cp_ring.py --seq 131072 --comm p2p --rounds 2 --json "$LOG/cp_ring_128k_w$w.json"
