@@ -24,8 +24,13 @@ capacity padding marks its slots (TE's semantics), and such a row passes no grad
 
 Host syncs: none when num_out_tokens is given (>= 0 for "mask", any value for "index"). num_out_tokens < 0
 with a mask map counts the routed slots on the host (one sync), as does `moe_permute_and_pad_with_probs`
-(the padded buffer's size is a host number). Sums (a token's rows in unpermute, a token's gradients in
-permute's backward) go through index_add_ in fp32 (fp64 for fp64 tensors) and round once at the end.
+(the padded buffer's size is a host number).
+
+How the rows move (te_parallel.ops.moe_rows): permute is one gather of the token rows; its backward and
+unpermute are segment sums over the permuted rows sorted by token (one sort of the rows' slots, which are
+token-major), summed in fp32 (fp64 for fp64 tensors) in slot order and rounded once; unpermute's backward is
+one gather that also forms the merging probs' gradients. Each reads and writes the moved rows once on the GPU
+(Triton kernels), and works for any number of rows per token: exactly k, dropped slots, padding rows.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ import warnings
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
+
+from te_parallel.ops.moe_rows import gather_rows, segment_sum_rows
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "host_to_device"]
@@ -55,11 +62,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] along dim 0; zeros when x has no rows (every index then names a row that is masked out)."""
-    if x.shape[0] == 0:
-        return x.new_zeros((index.shape[0],) + tuple(x.shape[1:]))
-    return x.index_select(0, index)
+def _gather_values(v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """v[index] of a 1-D v (zeros where index < 0, or when v is empty)."""
+    if v.shape[0] == 0:
+        return v.new_zeros(index.shape)
+    return v.index_select(0, index.clamp(min=0)).masked_fill_(index < 0, 0)
 
 
 def _sources(row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -74,11 +81,24 @@ def _sources(row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     return src[:num_rows]
 
 
-def _sum_rows_into(rows: torch.Tensor, dest: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """out [num_tokens, H] (rows' dtype) with out[t] = sum of rows[j] over dest[j] == t; dest == num_tokens
-    marks rows that go nowhere (a spare row, cut off)."""
-    out = rows.new_zeros((num_tokens + 1, rows.shape[1]))
-    return out.index_add_(0, dest, rows)[:num_tokens]
+def _token_of(src: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[rows] the token each permuted row came from, -1 for rows no slot fills."""
+    return torch.where(src >= 0, src // max(num_slots, 1), -1)
+
+
+def _by_token(token: torch.Tensor, src: torch.Tensor, num_tokens: int,
+              num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(perm [rows], offsets [N + 1]): the rows with token >= 0 listed token by token, each token's in slot order
+    (perm[offsets[t]:offsets[t+1]] are token t's rows), the others after offsets[N]. One sort of the rows'
+    slots (distinct), which are token-major: t·C + c."""
+    spare = num_tokens * num_slots
+    key = torch.where(token >= 0, src, spare)
+    if spare < 2 ** 31:  # (a radix sort of 32-bit keys makes half the passes of 64-bit ones)
+        key = key.to(torch.int32)
+    key_sorted, perm = torch.sort(key)
+    token_sorted = torch.where(key_sorted < spare, key_sorted // max(num_slots, 1), num_tokens)
+    bounds = torch.arange(num_tokens + 1, device=token.device, dtype=token_sorted.dtype)
+    return perm, torch.searchsorted(token_sorted, bounds)
 
 
 def _scatter_slots(values: torch.Tensor, src: torch.Tensor, shape: Tuple[int, int]) -> torch.Tensor:
@@ -90,96 +110,81 @@ def _scatter_slots(values: torch.Tensor, src: torch.Tensor, shape: Tuple[int, in
 
 
 class _Permute(torch.autograd.Function):
-    """out[j] = inp[token of row j] (zeros for rows no slot fills, and for rows whose prob is 0);
-    permuted_probs[j] = probs[slot of row j]. Backward: the adjoint, a sum of each token's row gradients
-    (index_add_ by token) and a scatter of the row-prob gradients to their slots."""
+    """out[j] = inp[token of row j] (zeros for rows no slot fills, and for rows whose prob is 0): one gather;
+    permuted_probs[j] = probs[slot of row j]. Backward: the adjoint, each token's row gradients summed (a segment
+    sum over the rows sorted by token) and the row-prob gradients scattered to their slots."""
 
     @staticmethod
-    def forward(ctx, inp, probs, row_id_map, num_out: int, all_filled: bool):
+    def forward(ctx, inp, probs, row_id_map, num_out: int):
         num_tokens, num_slots = row_id_map.shape
         src = _sources(row_id_map, num_out)  # [num_out]
-        filled = src >= 0
-        token = src.clamp(min=0) // max(num_slots, 1)
-        out = _gather_rows(inp, token)  # [num_out, H]
-        keep, permuted_probs = filled, None
+        token = _token_of(src, num_slots)  # [num_out], -1: a zero row
+        permuted_probs = None
         if probs is not None:
-            permuted_probs = _gather_rows(probs.reshape(-1), src.clamp(min=0)).masked_fill_(~filled, 0)
-            keep = filled & (permuted_probs != 0)
-        if probs is not None or not all_filled:
-            out.masked_fill_(~keep.unsqueeze(1), 0)
-        ctx.save_for_backward(token, keep, src)
-        ctx.num_tokens, ctx.num_slots, ctx.inp_dtype = num_tokens, num_slots, inp.dtype
+            permuted_probs = _gather_values(probs.reshape(-1), src)
+            token = torch.where(permuted_probs != 0, token, -1)
+        out, _ = gather_rows(inp, token)  # [num_out, H]
+        ctx.save_for_backward(token, src)
+        ctx.num_tokens, ctx.num_slots = num_tokens, num_slots
         return out, permuted_probs
 
     @staticmethod
     def backward(ctx, grad_out, grad_permuted_probs):
-        token, keep, src = ctx.saved_tensors
+        token, src = ctx.saved_tensors
         grad_inp = grad_probs = None
         if ctx.needs_input_grad[0]:
-            dest = torch.where(keep, token, ctx.num_tokens)
-            grad_inp = _sum_rows_into(grad_out.to(_acc_dtype(grad_out.dtype)), dest, ctx.num_tokens)
-            grad_inp = grad_inp.to(ctx.inp_dtype)
+            perm, offsets = _by_token(token, src, ctx.num_tokens, ctx.num_slots)
+            grad_inp = segment_sum_rows(grad_out, perm, offsets)  # [N, H]
         if ctx.needs_input_grad[1] and grad_permuted_probs is not None:
             grad_probs = _scatter_slots(grad_permuted_probs, src, (ctx.num_tokens, ctx.num_slots))
-        return grad_inp, grad_probs, None, None, None
+        return grad_inp, grad_probs, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     """out[t] = sum over token t's routed slots c of w[t, c] · inp[row_id_map[t, c]] (w = merging_probs, or
-    1). Backward: grad_inp[j] = w(j) · grad_out[token of j] (a gather), grad_w[t, c] = <grad_out[t],
-    inp[row_id_map[t, c]]>."""
+    1): a segment sum over the rows sorted by token. Backward, in one pass over the rows: grad_inp[j] = w(j) ·
+    grad_out[token of j] (a gather) and grad_w[t, c] = <grad_out[t], inp[row_id_map[t, c]]>."""
 
     @staticmethod
     def forward(ctx, inp, merging_probs, row_id_map, num_tokens: int):
         num_slots = row_id_map.shape[1]
         src = _sources(row_id_map, inp.shape[0])  # [rows]
-        filled = src >= 0
-        token = src.clamp(min=0) // max(num_slots, 1)
-        acc = _acc_dtype(inp.dtype)
-        weight = None
-        if merging_probs is not None:  # [rows], 0 for rows no slot fills
-            weight = _gather_rows(merging_probs.reshape(-1), src.clamp(min=0)).to(acc).masked_fill_(~filled, 0)
-            rows = inp * weight.unsqueeze(1)  # (promotes to acc in one pass)
-        else:
-            rows = inp.to(acc)
-        out = _sum_rows_into(rows, torch.where(filled, token, num_tokens), num_tokens).to(inp.dtype)
+        token = _token_of(src, num_slots)
+        weight = None  # [rows] in fp32 / fp64, 0 for rows no slot fills
+        if merging_probs is not None:
+            weight = _gather_values(merging_probs.reshape(-1).to(_acc_dtype(inp.dtype)), src)
+        perm, offsets = _by_token(token, src, num_tokens, num_slots)
+        out = segment_sum_rows(inp, perm, offsets, None if weight is None else weight.index_select(0, perm))
         needs_inp = merging_probs is not None and merging_probs.requires_grad
-        ctx.save_for_backward(inp if needs_inp else None, weight, token, src, filled)
+        ctx.save_for_backward(inp if needs_inp else None, weight, token, src)
         ctx.num_slots, ctx.probs_dtype = num_slots, None if merging_probs is None else merging_probs.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        inp, weight, token, src, filled = ctx.saved_tensors
-        acc = _acc_dtype(grad_out.dtype)
-        g_rows = _gather_rows(grad_out, token)  # [rows, H]
-        grad_inp = grad_probs = None
-        if ctx.needs_input_grad[0]:
-            if weight is None:
-                grad_inp = g_rows.masked_fill_(~filled.unsqueeze(1), 0)
-            else:  # (fp32 product, one rounding to grad_out's dtype)
-                grad_inp = torch.mul(g_rows, weight.unsqueeze(1), out=torch.empty_like(g_rows))
-        if ctx.needs_input_grad[1]:
-            dots = torch.linalg.vecdot(g_rows.to(acc), inp.to(acc))  # [rows]
-            num_tokens = grad_out.shape[0]
-            grad_probs = _scatter_slots(dots, src, (num_tokens, ctx.num_slots)).to(ctx.probs_dtype)
-        return grad_inp, grad_probs, None, None
+        inp, weight, token, src = ctx.saved_tensors
+        needs_probs = ctx.needs_input_grad[1]
+        grad_inp, dots = gather_rows(grad_out, token, weight, inp if needs_probs else None)  # [rows, H], [rows]
+        grad_probs = None
+        if needs_probs:
+            grad_probs = _scatter_slots(dots, src, (grad_out.shape[0], ctx.num_slots)).to(ctx.probs_dtype)
+        return grad_inp if ctx.needs_input_grad[0] else None, grad_probs, None, None
 
 
 class _SortChunks(torch.autograd.Function):
-    """out = inp.index_select(0, src) with src the inverse of dst; backward: grad.index_select(0, dst).
-    Both directions are gathers (autograd's own backward of a gather would be an index_add_)."""
+    """out = inp[src] with src the inverse of dst; backward: grad[dst]. Both directions are gathers (autograd's
+    own backward of a gather would be an index_add_)."""
 
     @staticmethod
     def forward(ctx, inp, probs, dst):
         src = torch.zeros_like(dst).scatter_(0, dst, torch.arange(dst.numel(), device=dst.device))
         ctx.save_for_backward(dst)
-        return inp.index_select(0, src), None if probs is None else probs.index_select(0, src)
+        return gather_rows(inp, src)[0], None if probs is None else probs.index_select(0, src)
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
         (dst,) = ctx.saved_tensors
-        grad_inp = grad_out.index_select(0, dst) if ctx.needs_input_grad[0] else None
+        grad_inp = gather_rows(grad_out, dst)[0] if ctx.needs_input_grad[0] else None
         grad_p = grad_probs.index_select(0, dst) if ctx.needs_input_grad[1] and grad_probs is not None else None
         return grad_inp, grad_p, None
 
@@ -273,11 +278,11 @@ def moe_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: Un
         full = routing_map.numel()
         num_out = num_out_tokens if num_out_tokens > 0 else full
         row_id_map = _index_row_id_map(routing_map, num_out)
-        out, _ = _Permute.apply(inp, None, row_id_map, num_out, num_out <= full)
+        out, _ = _Permute.apply(inp, None, row_id_map, num_out)
         return out, row_id_map
     num_out = int(routing_map.bool().sum()) if num_out_tokens < 0 else num_out_tokens  # (host sync if < 0)
     row_id_map = _mask_row_id_map(routing_map, num_out)
-    out, _ = _Permute.apply(inp, None, row_id_map, num_out, num_out_tokens < 0)
+    out, _ = _Permute.apply(inp, None, row_id_map, num_out)
     return out, row_id_map
 
 
@@ -293,7 +298,7 @@ def moe_permute_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: 
     num_out_tokens = _as_int("moe_permute_with_probs", "num_out_tokens", num_out_tokens)
     num_out = int(routing_map.bool().sum()) if num_out_tokens < 0 else num_out_tokens  # (host sync if < 0)
     row_id_map = _mask_row_id_map(routing_map, num_out)
-    out, permuted_probs = _Permute.apply(inp, probs, row_id_map, num_out, num_out_tokens < 0)
+    out, permuted_probs = _Permute.apply(inp, probs, row_id_map, num_out)
     return out, permuted_probs, row_id_map
 
 
@@ -319,7 +324,7 @@ def moe_permute_and_pad_with_probs(inp: torch.Tensor, probs: torch.Tensor, routi
     total, any_pad = torch.stack([padded.sum(), (pad != 0).any().long()]).tolist()  # (host sync)
     pad_offsets = (torch.cumsum(pad, 0) - pad) if any_pad else None
     row_id_map = _mask_row_id_map(routing_map, total, pad_offsets)
-    out, permuted_probs = _Permute.apply(inp, probs, row_id_map, total, False)
+    out, permuted_probs = _Permute.apply(inp, probs, row_id_map, total)
     return out, permuted_probs, row_id_map, pad_offsets, padded
 
 
