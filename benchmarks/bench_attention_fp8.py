@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import te_parallel as te  # noqa: E402
 from common import Parser, energy_interleaved, nvml_missing, report, report_energy, time_interleaved  # noqa: E402
 from te_parallel import recipe  # noqa: E402
-from te_parallel.ops import attention_fp8  # noqa: E402
+from te_parallel.ops import attention_fp8_graphs  # noqa: E402
 
 SHAPE = re.compile(r"s(\d+)b(\d+)h(\d+)g(\d+)d(\d+)$")
 DEFAULT_SHAPES = ("s8192b1h32g8d128", "s4096b2h32g32d128")
@@ -153,7 +153,7 @@ def main() -> None:
             acc = _accuracy(rows, qkv)
         for w in caught:
             print(f"warning ({name}): {w.message}")
-        fp8_outputs = attention_fp8.outputs_of(qkv[0], qkv[1], True) or "-"
+        fp8_outputs = attention_fp8_graphs.outputs_of(qkv[0], qkv[1], True) or "-"
         renamed = {}
         for row, (step, forward, dpa) in rows.items():
             if row.startswith("te FP8") and dpa.last_backend != "cudnn_fe_fp8":

@@ -19,6 +19,9 @@ from te_parallel.recipe import fp8_max
 from te_parallel.fp8.te_extra_state import te_recipe
 from te_parallel.ops import attention as attn_ops
 from te_parallel.ops import attention_fp8 as fp8a
+from te_parallel.ops import attention_fp8_emulation as fp8_emul
+from te_parallel.ops import attention_fp8_graphs as fp8_graphs
+from te_parallel.ops import attention_fp8_state as fp8_state
 from te_parallel.ops import fp8_dequantize
 from te_parallel.ops.attention import Band
 from tests.attention_reference import causal, ref_attention
@@ -46,7 +49,7 @@ def _quantized(seed=0, band=CAUSAL, s=S):
     out = []
     for t in (q, k, v):
         scale = 448.0 / t.abs().amax()
-        out += [fp8a.to_fp8(t, scale, E4M3), (1 / scale).float()]
+        out += [fp8_emul.to_fp8(t, scale, E4M3), (1 / scale).float()]
     return out
 
 
@@ -64,7 +67,7 @@ def _ref_forward_fp64(q8, k8, v8, dq, dk, dv, scale_o, attn_scale, masked):
 def test_emulated_forward_is_the_fp64_computation_of_the_same_quantization():
     q8, dq, k8, dk, v8, dv = _quantized()
     scale_o = torch.tensor(448.0 / 2.0)
-    o8, stats, amax_o = fp8a.emulate_forward(q8, k8, v8, dq, dk, dv, scale_o, 1 / math.sqrt(D), CAUSAL)
+    o8, stats, amax_o = fp8_emul.emulate_forward(q8, k8, v8, dq, dk, dv, scale_o, 1 / math.sqrt(D), CAUSAL)
     o_ref, o8_ref = _ref_forward_fp64(q8, k8, v8, dq, dk, dv, scale_o, 1 / math.sqrt(D), causal(S, S))
     assert o8.dtype == E4M3 and o8.shape == (B, H, S, D) and stats.shape == (B, H, S, 1)
     assert abs(amax_o.item() - o_ref.abs().max().item()) < 1e-5 * o_ref.abs().max().item()
@@ -77,17 +80,25 @@ def test_emulated_forward_is_the_fp64_computation_of_the_same_quantization():
 def test_emulated_backward_fp32_matches_fp64(band):
     q8, dq, k8, dk, v8, dv = _quantized(band=band)
     scale_o = torch.tensor(100.0)
-    o8, stats, _ = fp8a.emulate_forward(q8, k8, v8, dq, dk, dv, scale_o, 0.2, band, compute=torch.float64)
-    do8 = fp8a.to_fp8(torch.randn(B, H, S, D), torch.tensor(2e4), E5M2)
+    o8, stats, _ = fp8_emul.emulate_forward(q8, k8, v8, dq, dk, dv, scale_o, 0.2, band, compute=torch.float64)
+    do8 = fp8_emul.to_fp8(torch.randn(B, H, S, D), torch.tensor(2e4), E5M2)
     descales = (dq, dk, dv, 1 / scale_o, torch.tensor(1 / 2e4))
     scales = tuple(torch.tensor(x) for x in (2e4, 3e4, 3e4, 3e4))
-    g32, a32 = fp8a.emulate_backward(q8, k8, v8, o8, do8, stats, descales, scales, 0.2, band)
-    g64, a64 = fp8a.emulate_backward(q8, k8, v8, o8, do8, stats, descales, scales, 0.2, band, compute=torch.float64)
+    g32, a32 = fp8_emul.emulate_backward(q8, k8, v8, o8, do8, stats, descales, scales, 0.2, band)
+    g64, a64 = fp8_emul.emulate_backward(q8, k8, v8, o8, do8, stats, descales, scales, 0.2, band, compute=torch.float64)
     for a, r in zip(g32, g64):
         assert a.dtype == E5M2
         assert rel_err(a.double(), r.double()) < 1e-2
     for a, r in zip(a32, a64):
         assert abs(a.item() - r.item()) <= 1e-5 * r.item()
+
+
+def _assert_fresh(state):
+    """The state of a layer that never ran FP8 attention: scales 1, histories and update counts 0."""
+    for backward in (False, True):
+        hist, scale, scale_inv = state.tensors(backward)
+        assert not hist.any() and (scale == 1).all() and (scale_inv == 1).all()
+    assert state.updates() == [0, 0]
 
 
 def _fp8_step(dpa, q, k, v, rec, dy=None):
@@ -149,18 +160,16 @@ def test_delayed_bookkeeping_across_steps():
     seen_fwd, seen_bwd = [], []
     for step in range(4):
         q, k, v = _qkv(seed=step)
-        st = dpa._modules.get("fp8_attention_state")
-        scales_before = None if st is None else (st.fwd_scale.clone(), st.bwd_scale.clone())
+        st = dpa.fp8_attention_state
+        scales_before = (st.fwd_scale.clone(), st.bwd_scale.clone())
         dy = torch.randn(S, B, H * D) * (step + 1)
         out = _fp8_step(dpa, q, k, v, rec, dy)
         st = dpa.fp8_attention_state
-        if scales_before is None:
-            scales_before = (torch.ones(10), torch.ones(5))
         # what the pass recorded, recomputed from its inputs and the scales it used
-        q8, dq = fp8a.to_fp8(q.detach(), scales_before[0][0], E4M3), 1 / scales_before[0][0]
-        k8, dk = fp8a.to_fp8(k.detach(), scales_before[0][1], E4M3), 1 / scales_before[0][1]
-        v8, dv = fp8a.to_fp8(v.detach(), scales_before[0][2], E4M3), 1 / scales_before[0][2]
-        _, _, amax_o = fp8a.emulate_forward(*(_bhsd(t) for t in (q8, k8, v8)), dq, dk, dv, scales_before[0][3],
+        q8, dq = fp8_emul.to_fp8(q.detach(), scales_before[0][0], E4M3), 1 / scales_before[0][0]
+        k8, dk = fp8_emul.to_fp8(k.detach(), scales_before[0][1], E4M3), 1 / scales_before[0][1]
+        v8, dv = fp8_emul.to_fp8(v.detach(), scales_before[0][2], E4M3), 1 / scales_before[0][2]
+        _, _, amax_o = fp8_emul.emulate_forward(*(_bhsd(t) for t in (q8, k8, v8)), dq, dk, dv, scales_before[0][3],
                                             1 / math.sqrt(D), CAUSAL)
         fwd = torch.stack([q.detach().abs().max(), k.detach().abs().max(), v.detach().abs().max(), amax_o])
         seen_fwd.append(fwd)
@@ -182,15 +191,14 @@ def test_current_scaling_scales_qkv_from_the_tensors():
     amax_o_prev = None
     for step in range(2):
         q, k, v = _qkv(seed=10 + step)
-        st = dpa._modules.get("fp8_attention_state")
-        scale_o = torch.tensor(1.0) if st is None else st.fwd_scale[3].clone()
+        scale_o = dpa.fp8_attention_state.fwd_scale[3].clone()
         with te.fp8_autocast(fp8_recipe=rec):
             out = dpa(q, k, v)
         parts = []
         for t in (q, k, v):
             scale = 448.0 / t.detach().abs().max()
-            parts += [_bhsd(fp8a.to_fp8(t.detach(), scale, E4M3)), 1 / scale]
-        o8, _, amax_o = fp8a.emulate_forward(*parts[0::2], *parts[1::2], scale_o, 1 / math.sqrt(D), FULL)
+            parts += [_bhsd(fp8_emul.to_fp8(t.detach(), scale, E4M3)), 1 / scale]
+        o8, _, amax_o = fp8_emul.emulate_forward(*parts[0::2], *parts[1::2], scale_o, 1 / math.sqrt(D), FULL)
         expect = (o8.float() / scale_o).permute(2, 0, 1, 3).reshape(S, B, H * D)
         torch.testing.assert_close(out.detach(), expect, rtol=1e-6, atol=1e-6)
         st = dpa.fp8_attention_state
@@ -231,7 +239,7 @@ def test_inputs_fp8_attention_does_not_take_run_in_high_precision_with_one_warni
             out = dpa(q, k, v, **fwd)
     torch.testing.assert_close(out, hp, rtol=0, atol=0)
     assert dpa.last_backend != "fp8_emulation"
-    assert "fp8_attention_state" not in dict(dpa.named_modules())
+    _assert_fresh(dpa.fp8_attention_state)
 
 
 def test_errors():
@@ -261,7 +269,7 @@ def test_no_fp8_attention_without_the_recipe_field_or_outside_autocast():
     with te.fp8_autocast(enabled=False, fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
         out = dpa(q, k, v)
     torch.testing.assert_close(out, hp, rtol=0, atol=0)
-    assert "fp8_attention_state" not in dict(dpa.named_modules())
+    _assert_fresh(dpa.fp8_attention_state)
 
 
 def test_state_dict_round_trip_and_te_recipe_record():
@@ -273,7 +281,7 @@ def test_state_dict_round_trip_and_te_recipe_record():
     sd = dpa.state_dict()
     assert "fp8_attention_state.fwd_scale" in sd
     fresh = te.DotProductAttention(H, D, num_gqa_groups=G)
-    fresh.load_state_dict(sd)  # strict: the state is made to receive the keys
+    fresh.load_state_dict(sd)  # strict: the fresh layer has the state, of the same slots
     for key, value in sd.items():
         torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
     with warnings.catch_warnings():
@@ -382,8 +390,8 @@ def fake_frontend(monkeypatch):
     monkeypatch.setattr(fe, "_handle", lambda index: None)
     monkeypatch.setattr(fe, "_index", lambda device: 0)
     monkeypatch.setattr(fe, "_graphs", collections.OrderedDict())
-    monkeypatch.setattr(fp8a, "_CHOSEN", {})
-    monkeypatch.setattr(fp8a, "_high_precision_outputs", lambda device: True)  # (a GPU that may build them)
+    monkeypatch.setattr(fp8_graphs, "_CHOSEN", {})
+    monkeypatch.setattr(fp8_graphs, "high_precision_outputs", lambda device: True)  # (a GPU that may build them)
     monkeypatch.setattr(_FakeGraph, "executed", [])
     monkeypatch.setattr(_FakeGraph, "kinds", [])
     return _FakeGraph
@@ -391,7 +399,7 @@ def fake_frontend(monkeypatch):
 
 @pytest.mark.parametrize("sbhd", [True, False])
 def test_kernel_path_binds_every_graph_tensor(fake_frontend, sbhd):
-    plan = fp8a.Plan(fp8a.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
+    plan = fp8_state.Plan(fp8_state.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
     q, k, v = _qkv(fmt="sbhd" if sbhd else "bshd")
     out = fp8a.fp8_attention(q, k, v, sbhd, CAUSAL, 0.125, plan)
     out.sum().backward()
@@ -406,24 +414,24 @@ def test_bf16_output_graphs_first_fp8_output_graphs_where_refused(fake_frontend,
     """bf16 inputs: the graphs that write O, dQ, dK, dV in bf16 where cuDNN builds both, else the FP8-output pair
     (forward too: the backward reads the forward's O); the kernels' amaxes land in the histories either way."""
     monkeypatch.setattr(fake_frontend, "refuse_hp_backward", refused)
-    plan = fp8a.Plan(fp8a.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
+    plan = fp8_state.Plan(fp8_state.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
     q, k, v = (t.detach().bfloat16().requires_grad_(True) for t in _qkv())
     out = fp8a.fp8_attention(q, k, v, True, CAUSAL, 0.125, plan)
     out.float().sum().backward()
     want = (E4M3, E5M2) if refused else (torch.bfloat16, torch.bfloat16)
     assert fake_frontend.kinds == [("fwd", want[0]), ("bwd", want[1])]
-    assert fp8a.outputs_of(q, k, True) == ("fp8" if refused else "bf16")
+    assert fp8_graphs.outputs_of(q, k, True) == ("fp8" if refused else "bf16")
     fp8a.fp8_attention(q, k, v, True, CAUSAL, 0.125, plan).float().sum().backward()  # the choice, looked up
     assert fake_frontend.kinds[2:] == fake_frontend.kinds[:2]
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
-    assert plan.state.fwd_amax_history[0, fp8a.O] == 2.0
-    assert plan.state.bwd_scale[fp8a.DP:].tolist() == [57344.0 / 2] * 4  # updated at the end of the backward
+    assert plan.state.fwd_amax_history[0, fp8_state.O] == 2.0
+    assert plan.state.bwd_scale[fp8_state.DP:].tolist() == [57344.0 / 2] * 4  # updated at the end of the backward
 
 
 def test_refused_e5m2_backward_runs_e4m3_with_one_warning(fake_frontend, monkeypatch):
     monkeypatch.setattr(fake_frontend, "refuse_e5m2", True)
     attn_ops._WARNED.discard(("fp8_dpa", "e4m3 backward"))
-    plan = fp8a.Plan(fp8a.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
+    plan = fp8_state.Plan(fp8_state.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
     q, k, v = _qkv()
     with pytest.warns(UserWarning, match="refuses E5M2 gradients .* runs in E4M3"):
         out = fp8a.fp8_attention(q, k, v, True, CAUSAL, 0.125, plan)
@@ -434,7 +442,7 @@ def test_refused_e5m2_backward_runs_e4m3_with_one_warning(fake_frontend, monkeyp
 
 def test_refused_graph_records_nothing(fake_frontend, monkeypatch):
     monkeypatch.setattr(fake_frontend, "sdpa_fp8", lambda self, **kw: (_ for _ in ()).throw(RuntimeError("no")))
-    plan = fp8a.Plan(fp8a.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
+    plan = fp8_state.Plan(fp8_state.new_state("cpu"), recipe.DelayedScaling(), None, False, E4M3, E5M2, True)
     from te_parallel.ops.attention_cudnn_fe import CudnnFeUnsupported
     with pytest.raises(CudnnFeUnsupported, match="cannot describe this FP8 attention graph"):
         fp8a.fp8_attention(*_qkv(), True, CAUSAL, 0.125, plan)

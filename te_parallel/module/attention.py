@@ -10,6 +10,7 @@ from torch import nn
 from te_parallel.fp8.autocast import current_frame
 from te_parallel.module.parallel_mixin import TensorParallelMixin
 from te_parallel.ops import attention_fp8
+from te_parallel.ops import attention_fp8_state as fp8_state
 from te_parallel.ops.attention_cudnn_fe import CudnnFeUnsupported
 from te_parallel.module.rope import apply_rotary_pos_emb
 from te_parallel.ops.attention import BACKENDS, check_mask_type, check_window, default_scale, make_band, warn_once
@@ -38,10 +39,12 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
     set_context_parallel_group): the inputs are this rank's tokens in the load-balanced layout and so is the
     output (te_parallel.parallel.context_parallel; a group of one rank, or None, changes nothing).
 
-    FP8 attention: under fp8_autocast with a DelayedScaling or Float8CurrentScaling recipe whose fp8_dpa (or
-    fp8_mha) is True, q/k/v are quantized to FP8 and attention runs in cuDNN's FP8 kernels (CPU: their
-    emulation), returning the inputs' dtype; its scales live in `fp8_attention_state` (made at the first FP8
-    call, kept in the state dict). Inputs FP8 attention does not take run as above, with one warning
+    FP8 attention: under fp8_autocast with a recipe whose fp8_dpa (or fp8_mha) is True and whose quantizers keep
+    one scale per tensor (DelayedScaling, Float8CurrentScaling, or a recipe registered with such quantizers),
+    q/k/v are quantized to FP8 and attention runs in cuDNN's FP8 kernels (CPU: their emulation), returning the
+    inputs' dtype. Its scales and amax histories live in `fp8_attention_state` (te_parallel.ops.attention_fp8_state),
+    made here with the layer, so state_dict / load_state_dict and torch.distributed.checkpoint carry them into a
+    freshly built layer. Inputs FP8 attention does not take run as above, with one warning
     (te_parallel.ops.attention_fp8); `last_backend` is then "cudnn_fe_fp8", "fp8_emulation" or the bf16 one.
     """
 
@@ -72,6 +75,8 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.layer_number, self.last_backend = layer_number, None
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        # FP8 attention's scales (fp8_dpa), on the default device until the first FP8 call moves them to q's
+        self.fp8_attention_state = fp8_state.new_state()
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> None:
         """TE's API: cp_group a ProcessGroup (or [a2a group, p2p group] for cp_comm_type "a2a+p2p"),
@@ -81,8 +86,9 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
 
     def reset_parameters(self) -> None:
-        """Nothing to initialise: the attention core has no parameters or buffers (here for the
-        deferred-init protocol every module follows)."""
+        """No parameters to initialise; FP8 attention's scaling state is made fresh (the deferred-init protocol
+        every module follows: after `to_empty` this gives the state its values)."""
+        self.fp8_attention_state.reset_fresh()
 
     def _check_qkv(self, q, k, v, fmt: str) -> None:
         dims = 3 if fmt == "thd" else 4
@@ -148,9 +154,10 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         reason = attention_fp8.unsupported_reason(q, k, v, call.fmt, call.mask_type, call.band, call.dropout_p,
                                                   self.cp_config is not None)
         if reason is None:
+            scaling = fp8_state.scaling_of(frame.recipe, frame.quantizers)  # (one-line error: no per-tensor scales)
             state = self._fp8_attention_state(q.device)
             group = frame.group if frame.group is not None else self.tp_group
-            plan = attention_fp8.make_plan(frame.recipe, state, group, attention_fp8.uses_kernel(q))
+            plan = fp8_state.make_plan(scaling, state, group, attention_fp8.uses_kernel(q))
             try:
                 out = attention_fp8.fp8_attention(q, k, v, call.fmt == "sbhd", call.band, call.scale, plan)
             except CudnnFeUnsupported as err:
@@ -163,21 +170,10 @@ class DotProductAttention(nn.Module, TensorParallelMixin):
         return None
 
     def _fp8_attention_state(self, device: torch.device):
-        state = self._modules.get("fp8_attention_state")
-        if state is None:
-            state = self.fp8_attention_state = attention_fp8.new_state(device)
-        elif state.fwd_scale.device != device:
+        state = self._modules["fp8_attention_state"]  # (not nn.Module.__getattr__: this runs on every FP8 forward)
+        if state.fwd_scale.device != device:
             state.to(device)
         return state
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        """A checkpoint written after FP8 attention ran holds `fp8_attention_state`: make it to load into."""
-        if self._modules.get("fp8_attention_state") is None and any(
-                key.startswith(prefix + "fp8_attention_state.") for key in state_dict):
-            self.fp8_attention_state = attention_fp8.new_state("cpu")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     def _dropout_rng(self, p: float):
         if p > 0 and self.get_rng_state_tracker is not None:

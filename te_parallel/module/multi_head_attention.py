@@ -76,6 +76,7 @@ class MultiheadAttention(nn.Module):
             get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, layer_number=layer_number,
             attention_type=attention_type, backend=attention_backend, cp_group=cp_group, cp_global_ranks=cp_global_ranks,
             cp_stream=cp_stream, cp_comm_type=cp_comm_type)
+        self.core_attention.fp8_attention_state.to(resolve_device(device))  # (the attention core takes no device)
         col = "column" if set_parallel_mode else None
         common = dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=self.tp_size,
                       sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device, bias=bias,

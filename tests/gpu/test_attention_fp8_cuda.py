@@ -19,6 +19,8 @@ from te_parallel import recipe
 from te_parallel.ops import attention as attn_ops
 from te_parallel.ops import attention_cudnn_fe as cudnn_fe
 from te_parallel.ops import attention_fp8 as fp8a
+from te_parallel.ops import attention_fp8_graphs as fp8_graphs
+from te_parallel.ops import attention_fp8_state as fp8_state
 from te_parallel.ops.attention import Band
 from tests.attention_reference import causal, ref_attention
 from tests.reference import rel_err
@@ -43,7 +45,7 @@ def test_probe_builds_and_runs_both_graphs(hopper):
 
 
 def _plan(state, kernel):
-    return fp8a.Plan(state, HYBRID, None, False, torch.float8_e4m3fn, torch.float8_e5m2, kernel)
+    return fp8_state.Plan(state, HYBRID, None, False, torch.float8_e4m3fn, torch.float8_e5m2, kernel)
 
 
 def _copy(state):
@@ -62,7 +64,7 @@ def _run(plan, q, k, v, dy, sbhd, band, scale):
 
 def _calibrated_state(q, k, v, dy, sbhd, band, scale):
     """A state whose scales come from one emulated pass over these inputs (as after a step of training)."""
-    state = fp8a.new_state(q.device)
+    state = fp8_state.new_state(q.device)
     with torch.no_grad():
         for slot, t in enumerate((q, k, v)):
             state.fwd_scale[slot] = 448.0 / t.float().abs().max()
@@ -170,11 +172,11 @@ def test_dequantize_kernel_is_bitwise_the_torch_form(hopper, fp8, dtype):
 def test_graph_variant_is_bf16_outputs_or_fp8_outputs(hopper):
     """The graphs the call used: bf16 O and dQ, dK, dV where cuDNN builds them, else FP8 outputs (printed)."""
     d, s = 128, 512
-    plan = _plan(fp8a.new_state(hopper), True)
+    plan = _plan(fp8_state.new_state(hopper), True)
     q = torch.randn(s, 1, 8, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(s, 1, 2, d, device="cuda", dtype=torch.bfloat16)
-    key = fp8a.graph_key(q, k, True, Band(False, -1, 0), 1 / math.sqrt(d), plan)
-    used, fwd, bwd = fp8a._graphs(key, True, torch.bfloat16)
+    key = fp8_graphs.graph_key(q, k, True, Band(False, -1, 0), 1 / math.sqrt(d), plan)
+    used, fwd, bwd = fp8_graphs.choose_graphs(key, True, torch.bfloat16)
     print(f"\nFP8 attention graphs on {torch.cuda.get_device_name()}: outputs in "
           f"{used.hp_out or 'FP8 (dequantized after the kernels)'}")
     assert used.hp_out in (None, torch.bfloat16) and fwd is not None and bwd is not None
@@ -182,7 +184,7 @@ def test_graph_variant_is_bf16_outputs_or_fp8_outputs(hopper):
     q, k = q.requires_grad_(True), k.requires_grad_(True)
     v = torch.randn_like(k, requires_grad=True)
     fp8a.fp8_attention(q, k, v, True, Band(False, -1, 0), 1 / math.sqrt(d), plan).float().square().sum().backward()
-    assert plan.state.fwd_amax_history[0, fp8a.O] > 0 and (plan.state.bwd_scale[1:] != 1).all()
+    assert plan.state.fwd_amax_history[0, fp8_state.O] > 0 and (plan.state.bwd_scale[1:] != 1).all()
 
 
 def test_unsupported_input_falls_back_to_bf16_with_a_warning(hopper):

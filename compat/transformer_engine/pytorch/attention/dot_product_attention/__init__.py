@@ -60,6 +60,7 @@ class DotProductAttention(TransformerEngineBaseModule, te_parallel.DotProductAtt
                                       "implemented in te_parallel")
         super().__init__(num_attention_heads, _head_dim(kv_channels), *args, **kwargs)
         self._init_te(te_kwargs)
+        self.fp8_attention_state.in_extra_state = True  # TE's layout: no FP8 attention state beside _extra_state
         self.softmax_type = softmax_type
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
