@@ -9,6 +9,12 @@ Semantics (TE's):
   region exits (one coalesced amax all-reduce over each fp8 group, then one fused update), and
   backward scales once when the backward pass ends (an autograd engine callback).
 
+A module's forward registers its state's forward update with the frame it runs under
+(`FP8Frame.register_forward`); a nested region's exit hands what was registered in it to the region
+around it, and the outermost region's exit runs the update of everything registered in the pass. The
+backward updates are kept apart, in one locked list: backward runs on autograd engine threads, after
+the regions have exited.
+
 The region stack is the one piece of dynamic state of the library (groups, recipes and FP8 states
 are passed in, never looked up: docs/architecture.md); it is per-thread, like torch.autocast's.
 """
@@ -32,26 +38,15 @@ __all__ = ["fp8_autocast", "autocast", "is_fp8_available", "is_fp8_block_scaling
            "current_frame"]
 
 
-@dataclass(frozen=True)
-class FP8Frame:
-    """What the innermost region says to a module's forward."""
-
-    enabled: bool
-    calibrating: bool
-    recipe: Recipe
-    group: Optional[dist.ProcessGroup]
-    # the recipe's quantizer of each GEMM operand kind (te_parallel.fp8.gemm_quantizers); None in a region
-    # that neither computes in FP8 nor calibrates
-    quantizers: Optional[GemmQuantizers] = None
-
-
 @dataclass
 class _PendingUpdates:
     """Delayed-scaling states whose amaxes were recorded and still await their update.
 
     Keyed by (id(state), backward) so a module called several times in one pass updates once. The value
     is [state, recipe, group, compiled]: compiled is True once a torch.compile graph recorded into the
-    state (its amaxes are then in the state's cells, folded into the history before the update).
+    state (its amaxes are then in the state's cells, folded into the history before the update). The
+    first registration of a state decides its recipe and group; the order of first registrations is
+    the order of the update (and of the amaxes in each all-reduce).
     """
 
     entries: Dict[Tuple[int, bool], list] = field(default_factory=dict)
@@ -62,15 +57,55 @@ class _PendingUpdates:
         if compiled:
             entry[3] = True
 
-    def flush(self) -> None:
+    def take(self) -> Dict[Tuple[int, bool], list]:
+        """The entries, leaving none behind."""
         entries, self.entries = self.entries, {}
-        _reduce_and_update(list(entries.items()))
+        return entries
+
+    def absorb(self, inner: "_PendingUpdates") -> None:
+        """Take over an inner region's entries, as if they had been registered here when they were there
+        (every one of them was registered after this region's earlier entries and before its later ones)."""
+        entries = inner.take()
+        if not self.entries:
+            self.entries = entries
+            return
+        for key, (state, recipe, group, compiled) in entries.items():
+            self.add(state, recipe, group, key[1], compiled)
+
+    def flush(self) -> None:
+        _reduce_and_update(list(self.take().items()))
+
+
+@dataclass(frozen=True)
+class FP8Frame:
+    """What the innermost region says to a module's forward, and what the forward leaves with it: the
+    delayed-scaling states whose forward amaxes it recorded (updated when the outermost region exits)."""
+
+    enabled: bool
+    calibrating: bool
+    recipe: Recipe
+    group: Optional[dist.ProcessGroup]
+    # the recipe's quantizer of each GEMM operand kind (te_parallel.fp8.gemm_quantizers); None in a region
+    # that neither computes in FP8 nor calibrates
+    quantizers: Optional[GemmQuantizers] = None
+    # the forward updates registered in this region (and handed to it by the regions nested in it)
+    pending: _PendingUpdates = field(default_factory=_PendingUpdates, compare=False, repr=False)
+
+    def register_forward(self, state: FP8ScalingState, recipe: DelayedScaling, group,
+                         compiled: bool = False) -> None:
+        """`state` recorded forward amaxes in this region; its update runs when the outermost region exits.
+        recipe: the update's rule; group: the ranks whose amaxes it shares (None: this rank's own);
+        compiled: recorded by a torch.compile graph (te_parallel.fp8.compiled)."""
+        self.pending.add(state, recipe, group, backward=False, compiled=compiled)
+
+    def pending_forward(self) -> list:
+        """The states registered in this region so far and not yet handed on or updated."""
+        return [entry[0] for entry in self.pending.entries.values()]
 
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: List[FP8Frame] = []
-        self.fwd = _PendingUpdates()
         self.checkpoint = None  # te_parallel.fp8.recompute: a stash being recorded or replayed
 
 
@@ -99,7 +134,8 @@ def set_checkpoint_stash(stash) -> None:
 
 
 def push_frame(frame: FP8Frame) -> None:
-    """Re-enter a region without its exit update (recompute replays an earlier forward)."""
+    """Re-enter a region without its exit update (recompute replays an earlier forward, which registers
+    no update a second time: whatever registers with a frame whose region has exited is never updated)."""
     _TLS.frames.append(frame)
 
 
@@ -108,9 +144,12 @@ def pop_frame() -> None:
 
 
 def record_forward(state: FP8ScalingState, recipe: DelayedScaling, group, compiled: bool = False) -> None:
-    """A module recorded forward amaxes into `state`; update it when the outermost region exits.
-    compiled: recorded by a torch.compile graph (te_parallel.fp8.compiled)."""
-    _TLS.fwd.add(state, recipe, group, backward=False, compiled=compiled)
+    """`FP8Frame.register_forward` on the innermost region (for code that does not hold its frame)."""
+    frames = _TLS.frames
+    if not frames:
+        raise RuntimeError("an FP8 forward registered its delayed-scaling update outside fp8_autocast; run the "
+                           "forward inside an fp8_autocast region")
+    frames[-1].pending.add(state, recipe, group, backward=False, compiled=compiled)
 
 
 def record_backward(state: FP8ScalingState, recipe: DelayedScaling, group, compiled: bool = False) -> None:
@@ -127,7 +166,7 @@ def record_backward(state: FP8ScalingState, recipe: DelayedScaling, group, compi
 def _finish_backward() -> None:
     with _BWD_LOCK:
         _BWD_QUEUED[0] = None
-        entries, _BWD.entries = _BWD.entries, {}
+        entries = _BWD.take()
     _reduce_and_update(list(entries.items()))
 
 
@@ -283,10 +322,15 @@ class fp8_autocast(ContextDecorator):  # noqa: N801 (TE's name; a class, like to
 
     @torch.compiler.disable
     def __exit__(self, *exc) -> None:
+        # (also when the body raised: what the pass recorded is updated, and nothing is left for the next region)
         frames = _TLS.frames
-        frames.pop()
-        if not frames:
-            _TLS.fwd.flush()
+        frame = frames.pop()
+        if not frame.pending.entries:
+            return
+        if frames:
+            frames[-1].pending.absorb(frame.pending)  # TE's timing: forward scales change at the outermost exit
+        else:
+            frame.pending.flush()
 
 
 class autocast(fp8_autocast):  # noqa: N801 (TE 2.9's name)

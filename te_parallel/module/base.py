@@ -181,7 +181,7 @@ class FP8Module(nn.Module):
             scales = _compiled.TracedScales(state, group)
         elif stateful:
             state.ensure_history_len(recipe.amax_history_len)
-            _autocast.record_forward(state, recipe, group)
+            frame.register_forward(state, recipe, group)  # (updated when the outermost region exits)
         cfg = GemmFP8(recipe, quantizers, scales, gemm, None, frame.enabled, group, backward_done=done)
         if frame.enabled and isinstance(weight, Float8Weight):  # FP8 parameters: their bytes, no cast
             cfg.weight = weight_operand(type(self).__name__, weight, recipe)
