@@ -13,6 +13,7 @@ from te_parallel.fp8 import quantizers as Q
 from te_parallel.fp8 import recipe_registry as RR
 from te_parallel.fp8.blockwise import quantize_blockwise_reference
 from te_parallel.fp8.quantizers.dtypes import torch_dtype
+from te_parallel.fp8.scaling import current_scale_torch
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.ops.cast import dequantize_reference, quantize_reference
 from te_parallel.ops.fp8_gemm_config import GemmFP8
@@ -135,14 +136,33 @@ class _ThirdRangeScaling(R.Recipe):
 FACTOR = 3  # (not a power of two: the bytes differ from current scaling's)
 
 
-class _ThirdRangeQuantizer(GQ.CurrentScalingQuantizer):
+class _ThirdRangeLinearOnlyQuantizer(GQ.CurrentScalingQuantizer):
+    """The test recipe's cast and nothing more: te.Linear runs it; GroupedLinear, which casts all its experts'
+    weights at once, needs their scales from it too (expert_scales) and refuses it."""
+
     __slots__ = ()
     scale_from_amax = False  # (its scale is not fp8_max / amax: kernels computing that may not cast for it)
 
     def quantize(self, x, cfg, transpose=False, amax_group=None, dbias_out=None, keep_scale=False):
         from te_parallel.ops import cast
-        return cast.quantize_current(x, self.fp8_dtype, amax=FACTOR * cast.amax_of(x), transpose=transpose,
-                                     dbias_out=dbias_out, keep_scale=keep_scale)
+        amax = FACTOR * cast.amax_of(x)
+        if GQ.spans_ranks(amax_group):
+            amax = GQ.reduce_amax(amax, amax_group)
+        return cast.quantize_current(x, self.fp8_dtype, amax=amax, transpose=transpose, dbias_out=dbias_out,
+                                     keep_scale=keep_scale)
+
+
+class _ThirdRangeQuantizer(_ThirdRangeLinearOnlyQuantizer):
+    """The test recipe's quantizer: its cast, each expert's scale for GroupedLinear, and a row alignment of its
+    own (te.Fp8Padding pads each expert's tokens to it)."""
+
+    __slots__ = ()
+    row_alignment = 32
+
+    def expert_scales(self, amax, cfg, amax_group=None):
+        if GQ.spans_ranks(amax_group):
+            amax = GQ.reduce_amax(amax, amax_group)
+        return current_scale_torch(FACTOR * amax, fp8_max(self.fp8_dtype))
 
 
 def _third_range(recipe):
@@ -233,3 +253,122 @@ def test_the_same_registration_gives_tes_quantizers(device, monkeypatch):
         # and the bytes are those the modules' family writes for the same tensor
         op = GQ.gemm_quantizers(rec).input.quantize(x, None)
         assert torch.equal(qx._data, op.data.view(torch.uint8))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ThirdRangeLinearOnly(R.Recipe):
+    """A test recipe whose weight quantizer gives no per-expert scales."""
+
+    scaling = "third_range_linear_only"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TiledInputScaling(R.Recipe):
+    """A test recipe with 1x128 tiles of the input and gradient but one scale for the weight."""
+
+    scaling = "tiled_input"
+
+
+def _linear_only(recipe):
+    fmt = recipe.fp8_format
+    return GQ.GemmQuantizers(_ThirdRangeQuantizer("x", fmt.fwd_dtype),
+                             _ThirdRangeLinearOnlyQuantizer("w", fmt.fwd_dtype),
+                             _ThirdRangeQuantizer("grad", fmt.bwd_dtype))
+
+
+def _tiled_input(recipe):
+    fmt, qp = recipe.fp8_format, R.QParams()
+    return GQ.GemmQuantizers(GQ.BlockScalingQuantizer("x", fmt.fwd_dtype, 1, qp),
+                             GQ.CurrentScalingQuantizer("w", fmt.fwd_dtype),
+                             GQ.BlockScalingQuantizer("grad", fmt.bwd_dtype, 1, qp))
+
+
+def test_a_registered_recipe_runs_grouped_linear_and_fp8_padding(device, monkeypatch):
+    """The registration that runs te.Linear also runs te.GroupedLinear between te.Fp8Padding and te.Fp8Unpadding:
+    the padding takes the registered quantizers' row alignment (32), and the output and every gradient (input,
+    each expert's weight and bias) match fp64 per-expert linear layers over the recipe's quantization (x and dy
+    with one scale for all the experts' rows, each expert's weight with its own scale)."""
+    monkeypatch.setattr(RR, "_REGISTERED", dict(RR._REGISTERED))
+    monkeypatch.setattr(GQ, "_MADE", {})
+    RR.register_recipe(_ThirdRangeScaling, gemm=_third_range, quantizer=_third_range_public)
+    rec = _ThirdRangeScaling(fp8_format=R.Format.E4M3)
+    assert GQ.gemm_quantizers(rec).input.row_alignment == 32 and GQ.gemm_quantizers(rec).weight.gives_expert_scales
+    g, k, n, m_splits = 3, 64, 48, [5, 0, 37]
+    m = te.GroupedLinear(g, k, n, bias=True, device=device)
+    with torch.no_grad():  # experts of different ranges: one scale for all their weights would miss
+        for i in range(g):
+            getattr(m, f"weight{i}").mul_(4.0 ** i)
+            getattr(m, f"bias{i}").normal_()
+    pad, unpad = te.Fp8Padding(g), te.Fp8Unpadding(g)
+    x = (torch.randn(sum(m_splits), k, device=device) * 2.0 ** torch.randint(-3, 4, (sum(m_splits), 1),
+                                                                              device=device)).requires_grad_(True)
+    with te.fp8_autocast(fp8_recipe=rec):
+        xp, padded = pad(x, m_splits)
+        y = unpad(m(xp, padded), m_splits)
+    assert pad.align_size == unpad.align_size == 32 and padded == [32, 0, 64]
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    xq, dyq = _fp8_third_range(x.detach()), _fp8_third_range(dy)  # (padding rows are zeros: the amaxes are these)
+    outs, dxs, start = [], [], 0
+    for i, c in enumerate(m_splits):
+        w, b = getattr(m, f"weight{i}").detach(), getattr(m, f"bias{i}").detach()
+        wq, rows = _fp8_third_range(w), slice(start, start + c)
+        outs.append(xq[rows] @ wq.t() + b.double())
+        dxs.append(dyq[rows] @ wq)
+        torch.testing.assert_close(getattr(m, f"weight{i}").grad.double(), dyq[rows].t() @ xq[rows], rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(getattr(m, f"bias{i}").grad.double(), dy[rows].double().sum(0), rtol=1e-5,
+                                   atol=1e-5)
+        start += c
+    torch.testing.assert_close(y.double(), torch.cat(outs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), torch.cat(dxs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe_type, factory, words", [
+    (_ThirdRangeLinearOnly, _linear_only, ("_ThirdRangeLinearOnlyQuantizer", "gives no per-expert scales",
+                                           "expert_scales")),
+    (_TiledInputScaling, _tiled_input, ("1x128 tiles (x_block_scaling_dim=1)", "its weight one scale per tensor")),
+])
+def test_grouped_linear_refuses_quantizers_it_cannot_run_in_one_line(device, monkeypatch, recipe_type, factory,
+                                                                     words):
+    """A registered recipe whose quantizers lack what GroupedLinear needs: refused before any work, in one line
+    naming the recipe and what it lacks (te.Linear runs the recipe whose weights lack only per-expert scales)."""
+    monkeypatch.setattr(RR, "_REGISTERED", dict(RR._REGISTERED))
+    monkeypatch.setattr(GQ, "_MADE", {})
+    RR.register_recipe(recipe_type, gemm=factory, quantizer=None)
+    rec = recipe_type(fp8_format=R.Format.E4M3)
+    m = te.GroupedLinear(2, 128, 128, device=device)
+    x = torch.randn(256, 128, device=device, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=rec):
+        with pytest.raises(ValueError) as e:
+            m(x, [128, 128])
+        if recipe_type is _ThirdRangeLinearOnly:  # (what it lacks is GroupedLinear's alone)
+            te.Linear(128, 128, device=device)(x).sum().backward()
+    msg = str(e.value)
+    assert "\n" not in msg and f"GroupedLinear: cannot run FP8 under {recipe_type.__name__}: " in msg
+    assert all(w in msg for w in words), msg
+    assert m.weight0.grad is None and (x.grad is not None) == (recipe_type is _ThirdRangeLinearOnly)
+
+
+def test_te_checkpoint_layout_asks_the_quantizers(monkeypatch):
+    """TE's extra state (fp8.te_extra_state) writes per-slot scales and histories where the recipe's quantizers
+    keep state, and writes a recipe as its TE class; a registered recipe TE has no class for is refused in one
+    line naming it."""
+    from te_parallel.fp8 import te_extra_state as tex
+
+    monkeypatch.setattr(RR, "_REGISTERED", dict(RR._REGISTERED))
+    monkeypatch.setattr(GQ, "_MADE", {})
+    RR.register_recipe(_ThirdRangeScaling, gemm=_third_range, quantizer=None)
+    state = FP8ScalingState(2)
+    state.fwd_scale.uniform_(1, 2)
+    tensors = tex.state_tensors(state)
+    for rec, name, slots in ((R.DelayedScaling(), "DelayedScaling", True),
+                             (R.Float8CurrentScaling(), "Float8CurrentScaling", False),
+                             (R.Float8BlockScaling(), "Float8BlockScaling", False)):
+        te_state = tex.state_to_te(tensors, 2, rec)
+        assert te_state["recipe"].name == name and ("scale_fwd" in te_state) == slots
+    assert torch.equal(tex.state_to_te(tensors, 2, R.DelayedScaling())["scale_fwd"][[0, 1, 3, 4]], state.fwd_scale)
+    with pytest.raises(ValueError) as e:
+        tex.state_to_te(tensors, 2, _ThirdRangeScaling())
+    assert "\n" not in str(e.value) and "_ThirdRangeScaling has no TE recipe" in str(e.value)

@@ -19,6 +19,12 @@ source. The code around the GEMMs asks a quantizer what it needs to know, never 
   native Linear, the MLP activation's two passes) may cast in the quantizer's place.
 * `has_state`: scales and amax histories live in the module's FP8ScalingState and are updated after each
   pass (the module registers the pending update with the autocast region).
+* `row_alignment`: the multiple of rows each group of an operand's rows (one expert's tokens) is padded to
+  (te.Fp8Padding): 16 for one scale per tensor, 128 for tiles (a columnwise tile along the rows must not
+  straddle two experts; GroupedLinear requires it of tiled inputs and gradients when it computes dW).
+* `gives_expert_scales` / `expert_scales(amax, cfg, amax_group)`: per-tensor scales of G tensors cast in
+  one pass from their amaxes [G] (GroupedLinear's experts' weights, expert g being GEMM g).
+* `quantize_columnwise(x, cfg, amax_group)`: the columnwise direction alone (a gradient only wgrad reads).
 
 Families: `DelayedScalingQuantizer` (per tensor, scale from the amax history of earlier passes),
 `CurrentScalingQuantizer` (per tensor, scale from the tensor's own amax), `BlockScalingQuantizer` (one
@@ -44,12 +50,13 @@ from te_parallel.fp8.blockwise import BlockwiseTensor, quantize_blockwise
 from te_parallel.fp8.quantizers.recipes import (block_quantizer, current_quantizer, delayed_quantizer,
                                                 mxfp8_quantizer, nvfp4_quantizer)
 from te_parallel.fp8.recipe_registry import factories_of, register_recipe, registered_names
+from te_parallel.fp8.scaling import current_scale_torch
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
 from te_parallel.ops import cast as _cast
 from te_parallel.parallel.groups import group_size
 from te_parallel.recipe import (UNSUPPORTED_SCALING, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                                MXFP8BlockScaling, NVFP4BlockScaling, QParams, Recipe)
+                                MXFP8BlockScaling, NVFP4BlockScaling, QParams, Recipe, fp8_max)
 
 __all__ = ["Granularity", "OperandQuantizer", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
            "BlockScalingQuantizer", "GemmQuantizers", "register_recipe", "gemm_quantizers", "WeightSource",
@@ -71,8 +78,35 @@ class Granularity(enum.Enum):
 class OperandQuantizer:
     """The cast of one operand kind ("x": GEMM input, "w": weight, "grad": output gradient) of a recipe.
 
-    `cfg` in the methods is the GemmFP8 of the GEMM being run: it carries the per-call state a quantizer
-    with `has_state` reads (the module's FP8ScalingState, the GEMM's index, a recompute's forward scales).
+    `cfg` in the methods is the GemmFP8 of the GEMM being run (or the GroupedFP8 of a grouped layer, as
+    GEMM 0): it carries the per-call state a quantizer with `has_state` reads (the module's FP8ScalingState,
+    the GEMM's index, a recompute's forward scales, whether this pass records amaxes).
+
+    What the code around the GEMMs asks of a quantizer (a new family declares each; the defaults are the
+    safe answers):
+
+    * `granularity` (Granularity): where the scales sit; `quantize` returns a Float8Tensor for TENSOR and
+      an fp8.blockwise.BlockwiseTensor for the tiled ones.
+    * `scale_known_before_cast` (False): the scale exists before the tensor is read; `scale_cell(cfg)`
+      gives it to a producer that writes the FP8 operand in its own pass.
+    * `scale_from_amax` (False): the scale is fp8_max / amax(tensor) (all-reduced over the split GEMM's
+      ranks), so a kernel that computes the amax itself may cast in the quantizer's place.
+    * `has_state` (False): scales and amax histories live in the module's FP8ScalingState and are
+      updated after each pass; the casts record amaxes there.
+    * `row_alignment` (16 per tensor, 128 tiled): the multiple of rows each group of this operand's rows
+      (an expert's tokens) is padded to by te.Fp8Padding: FP8 GEMM dimensions are multiples of 16, and a
+      tile's columnwise direction runs 128 rows, which must all be one expert's (GroupedLinear requires it
+      of tiled inputs and gradients when it computes the weight gradient).
+    * `gives_expert_scales` / `expert_scales(amax, cfg, amax_group)`: per-tensor families, the [G] scales
+      of G tensors of this kind cast in one pass from their amaxes [G] (GroupedLinear casts all its
+      experts' weights at once, one scale per expert, expert g being GEMM g). Given here for families
+      with `scale_from_amax` and by the delayed family (each expert's slot, recording the amaxes there;
+      `record_expert_amax` when calibrating); another per-tensor family defines `expert_scales`, or
+      GroupedLinear refuses it in one line.
+    * `quantize_columnwise(x, cfg, amax_group)`: the columnwise direction alone (a gradient that only
+      wgrad reads); by default `quantize(..., transpose=True)`, which writes both.
+    * `quantize_blocks(x, rowwise, columnwise)`: tiled families, the cast in the directions asked for
+      (GroupedLinear quantizes its experts' weights through it as one tensor with per-expert rows).
     """
 
     __slots__ = ("role", "fp8_dtype", "backward", "granularity", "cache_key")
@@ -104,6 +138,36 @@ class OperandQuantizer:
 
     def record_amax(self, x: torch.Tensor, cfg) -> None:
         """Calibration (GEMMs in high precision): record the amax this cast would have recorded."""
+
+    @property
+    def row_alignment(self) -> int:
+        """Rows per group (an expert's tokens) te.Fp8Padding pads to for this operand (class doc)."""
+        return 16 if self.granularity is Granularity.TENSOR else 128
+
+    def quantize_columnwise(self, x: torch.Tensor, cfg, amax_group=None):
+        """x [M, K] as an operand of which only the columnwise direction (xᵀ / dyᵀ for wgrad) is read; a
+        family that can skip the rowwise bytes does."""
+        return self.quantize(x, cfg, True, amax_group)
+
+    @property
+    def gives_expert_scales(self) -> bool:
+        """Whether `expert_scales` gives this per-tensor family's scales (class doc)."""
+        return (self.granularity is Granularity.TENSOR
+                and (self.scale_from_amax or type(self).expert_scales is not OperandQuantizer.expert_scales))
+
+    def expert_scales(self, amax: torch.Tensor, cfg, amax_group=None) -> torch.Tensor:
+        """[G] fp32: the scales of G tensors of this operand kind cast in one pass (a grouped layer's experts,
+        expert g being GEMM g), from their amaxes [G] fp32 (this rank's; all-reduced MAX over amax_group
+        first). Here: fp8_max / amax for a family with `scale_from_amax`."""
+        if not self.scale_from_amax:
+            raise TypeError(f"{type(self).__name__}: gives no per-expert scales (its scale is not fp8_max / amax); "
+                            f"define expert_scales(amax, cfg, amax_group)")
+        if spans_ranks(amax_group):
+            amax = reduce_amax(amax, amax_group)
+        return current_scale_torch(amax, fp8_max(self.fp8_dtype))
+
+    def record_expert_amax(self, amax: torch.Tensor, cfg) -> None:
+        """Calibration: record the amaxes [G] that expert_scales would have recorded (families with state)."""
 
     def backward_source(self, w, weight_src: Optional[torch.Tensor]):
         """What backward keeps of this GEMM's quantized weight `w`: w itself, or (weight_src given: the module
@@ -154,6 +218,30 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             cell = cfg.state.slot_views(self.backward, self._slot(cfg.gemm))[1]
             torch.maximum(cell, _cast.amax_of(x).view(1), out=cell)
 
+    def quantize_columnwise(self, x, cfg, amax_group=None):
+        scale, amax_out = self.scale_cell(cfg)
+        return _cast.quantize(x, scale, self.fp8_dtype, amax_out=amax_out, transpose=True, rowwise=False)
+
+    def _expert_slots(self, count: int) -> slice:
+        # GEMMs 0..count-1's slots of this kind: forward slots interleave input and weight (2g, 2g + 1)
+        step = 1 if self.backward else 2
+        first = self._slot(0)
+        return slice(first, first + step * count, step)
+
+    def expert_scales(self, amax, cfg, amax_group=None):
+        """Each expert's scale from its own slot (GEMM g's), recording amax[g] there when this pass records;
+        no all-reduce here (the update after the pass reduces the histories)."""
+        slots = self._expert_slots(amax.numel())
+        self.record_expert_amax(amax, cfg)
+        if self.backward:
+            return cfg.state.bwd_scale[slots]
+        return (cfg.fwd_scale if cfg.fwd_scale is not None else cfg.state.fwd_scale)[slots]
+
+    def record_expert_amax(self, amax, cfg) -> None:
+        if cfg.record or self.backward:
+            cells = cfg.state.history_row0(self.backward)[self._expert_slots(amax.numel())]
+            cells.copy_(torch.maximum(cells, amax))
+
 
 class CurrentScalingQuantizer(_PerTensorQuantizer):
     """Per-tensor scale from the tensor's own amax, just before the cast (Float8CurrentScaling); the amax of
@@ -187,6 +275,9 @@ class BlockScalingQuantizer(OperandQuantizer):
         # (a 1x128-tiled weight: dgrad reads its tiles along N, made now with the rowwise ones)
         columnwise = transpose or (self.role == "w" and self.granularity is Granularity.TILE_1x128)
         return self.quantize_blocks(x, rowwise=True, columnwise=columnwise)
+
+    def quantize_columnwise(self, x, cfg=None, amax_group=None):
+        return self.quantize_blocks(x, rowwise=False, columnwise=True)
 
     def quantize_blocks(self, x: torch.Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockwiseTensor:
         """x [M, K] in this operand's tiles / blocks, the directions asked for."""

@@ -5,11 +5,13 @@ given: smaller GEMMs run in bf16. "auto" decides by the GEMM's intensity M·K·N
 GEMM work per element that the FP8 step casts (input, weight, output gradient): FP8 saves GEMM time in
 proportion to M·K·N and pays casts in proportion to the elements, so the intensity, not the size,
 separates the two (on an H100, 2048x2048x2048 gains 12% in FP8 while 512x8192x8192, 4x the work, loses
-10%). BREAK_EVEN holds, per GPU architecture and recipe, the intensity that lost least GPU time over a
-grid of te.Linear fwd+bwd steps (benchmarks/bench_linear.py --sweep; CUDA-graphed, so host time does not
-count: a layer's host runs ahead of its GPU). An architecture that was not measured gets no threshold,
-so "auto" never sends a GEMM to bf16 on a guess. Each choice is logged once (logger "te_parallel",
-INFO), and each GEMM that runs in bf16 because of it too, with its size.
+10%). BREAK_EVEN holds, per GPU architecture and quantizer family, the intensity that lost least GPU time
+over a grid of te.Linear fwd+bwd steps (benchmarks/bench_linear.py --sweep; CUDA-graphed, so host time does
+not count: a layer's host runs ahead of its GPU). What was measured is a family's casts
+(te_parallel.fp8.gemm_quantizers), so the table is keyed by the class of the recipe's GEMM input quantizer
+itself (a subclass casts otherwise: it was not measured). An architecture or a family that was not
+measured gets no threshold, so "auto" never sends a GEMM to bf16 on a guess. Each choice is logged once
+(logger "te_parallel", INFO), and each GEMM that runs in bf16 because of it too, with its size.
 """
 from __future__ import annotations
 
@@ -18,15 +20,18 @@ from typing import Dict, Tuple
 
 import torch
 
-# (major, minor) -> recipe kind -> break-even intensity, with the GPU and date of the sweep. At the 96
-# measured sizes the sm_90 values pick FP8 where it was slower once (0.99x) and bf16 where FP8 was faster
-# once (1.03x) for delayed scaling; for current scaling 5x (worst 0.95x) and 2x (worst 1.03x).
-BREAK_EVEN: Dict[Tuple[int, int], Dict[str, float]] = {(9, 0): {"delayed": 630.0, "current": 745.0}}
+from te_parallel.fp8.gemm_quantizers import gemm_quantizers
+
+# (major, minor) -> quantizer family (class name) -> break-even intensity, with the GPU and date of the
+# sweep. At the 96 measured sizes the sm_90 values pick FP8 where it was slower once (0.99x) and bf16 where
+# FP8 was faster once (1.03x) for delayed scaling; for current scaling 5x (worst 0.95x) and 2x (worst 1.03x).
+BREAK_EVEN: Dict[Tuple[int, int], Dict[str, float]] = {
+    (9, 0): {"DelayedScalingQuantizer": 630.0, "CurrentScalingQuantizer": 745.0}}
 MEASURED_ON: Dict[Tuple[int, int], str] = {
     (9, 0): "measured on an H100 80GB HBM3, torch 2.11, 2026-11-24 (benchmarks/bench_linear.py --sweep)"}
 
 _LOG = logging.getLogger("te_parallel")
-_RESOLVED: Dict[Tuple[int, str], int] = {}
+_RESOLVED: Dict[Tuple[int, type], float] = {}  # (device index, recipe type) -> its threshold
 _REPORTED: set = set()
 
 
@@ -37,17 +42,19 @@ def intensity(m: int, k: int, n: int) -> float:
 
 def auto_threshold(recipe, device: torch.device) -> float:
     """The break-even intensity of min_fp8_gemm="auto" for this recipe on `device` (0: none measured),
-    resolved (and logged) once per device and recipe kind."""
-    kind = recipe.scaling
+    resolved (and logged) once per device and recipe type, from its GEMM quantizer family."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, kind)
+    key = (index, type(recipe))
     if key not in _RESOLVED:
+        family = type(gemm_quantizers(recipe).input).__name__
         cap = torch.cuda.get_device_capability(index)
-        resolved = BREAK_EVEN.get(cap, {}).get(kind, 0.0)
+        resolved = BREAK_EVEN.get(cap, {}).get(family, 0.0)
         where = MEASURED_ON.get(cap, "not measured on this architecture: every GEMM in FP8")
-        _LOG.info("te_parallel: min_fp8_gemm='auto' on %s (sm_%d%d), %s scaling: GEMMs of intensity "
+        if cap in MEASURED_ON and family not in BREAK_EVEN.get(cap, {}):
+            where = f"{family} not measured: every GEMM in FP8"
+        _LOG.info("te_parallel: min_fp8_gemm='auto' on %s (sm_%d%d), %s under %s: GEMMs of intensity "
                   "M*K*N/(M*K+K*N+M*N) < %.0f run in bf16 (%s)", torch.cuda.get_device_name(index), cap[0], cap[1],
-                  kind, resolved, where)
+                  family, type(recipe).__name__, resolved, where)
         _RESOLVED[key] = resolved
     return _RESOLVED[key]
 

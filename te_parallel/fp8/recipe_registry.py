@@ -3,7 +3,10 @@
     register_recipe(Float8BlockScaling, gemm=_block, quantizer=block_quantizer)
 
 * `gemm(recipe) -> GemmQuantizers`: the quantizer family of the modules' GEMMs (te_parallel.fp8.gemm_quantizers),
-  read by `gemm_quantizers(recipe)` (fp8_autocast, FP8 weight parameters). None: the modules do not run the
+  read by `gemm_quantizers(recipe)` (fp8_autocast, FP8 weight parameters, te.Fp8Padding's alignment). The
+  library asks those quantizers what it needs (OperandQuantizer's doc: granularity, when the scale is known,
+  state, row alignment, per-expert scales...), never the recipe's type; a module that needs what they lack
+  (GroupedLinear: per-expert weight scales) refuses the recipe in one line. None: the modules do not run the
   recipe, and fp8_autocast refuses it in one line.
 * `quantizer(recipe, kind, *, rowwise, columnwise, scale, amax, device) -> Quantizer`: TE's public quantizer of
   one operand kind ("x": input / output, "w": weight, "grad": grad_output / grad_input) writing the given

@@ -32,8 +32,9 @@ from typing import Dict, Optional
 
 import torch
 
+from te_parallel.fp8.gemm_quantizers import gemm_quantizers
 from te_parallel.fp8.state import FP8ScalingState
-from te_parallel.recipe import DelayedScaling, Format, Recipe
+from te_parallel.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Recipe
 
 __all__ = ["TERecord", "TEExtraState", "decode", "encode", "load_into", "state_to_te", "te_to_state",
            "EMPTY"]
@@ -222,6 +223,10 @@ class _TEPickler(pickle._Pickler):  # the Python pickler, whose save() can be ex
         return None
 
 
+# the recipes TE's layout names (with the fields each writes below); a subclass is written as its TE base
+_TE_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
+
+
 def te_format(fmt: Format) -> _TEObject:
     """TE's Format member for a te_parallel Format (pickled as Format(_FormatHelper(max_fwd, max_bwd)))."""
     return _TEObject("Format", args=(_TEObject("_FormatHelper", args=_FORMAT_MAXES[fmt.name]),))
@@ -231,6 +236,10 @@ def te_recipe(recipe: Recipe, extra_fields: Optional[dict] = None) -> _TEObject:
     """TE's recipe object for a te_parallel recipe (extra_fields: TE-only fields to keep, e.g. fp8_dpa)."""
     fields = {"fp8_format": te_format(recipe.fp8_format), "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
               "fp8_mha": bool(getattr(recipe, "fp8_mha", False))}
+    if not isinstance(recipe, _TE_RECIPES):
+        raise ValueError(f"TE extra state: {type(recipe).__name__} has no TE recipe of the same meaning to be written "
+                         f"as; TE's layout is written for DelayedScaling, Float8CurrentScaling or Float8BlockScaling "
+                         f"(or a subclass)")
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("TE extra state: a DelayedScaling with a custom amax or scale function cannot be written "
@@ -242,7 +251,7 @@ def te_recipe(recipe: Recipe, extra_fields: Optional[dict] = None) -> _TEObject:
         name = "DelayedScaling"
     else:
         name = "Float8CurrentScaling"
-        if recipe.scaling == "block":
+        if isinstance(recipe, Float8BlockScaling):  # (the recipe's own fields: what TE's recipe object holds)
             name = "Float8BlockScaling"
             for role, key in (("x", "fp8_quant_fwd_inp"), ("w", "fp8_quant_fwd_weight"), ("grad", "fp8_quant_bwd_grad")):
                 qp = recipe.qparams(role)
@@ -262,7 +271,7 @@ def state_to_te(tensors: Dict[str, torch.Tensor], num_gemms: int, recipe: Recipe
     counts = [int(v) for v in tensors["update_count"].tolist()]
     state = {"recipe": te_recipe(recipe, extra_fields),
              "extra_fp8_variables": {"num_gemms": num_gemms, "fp8_checkpoint": True, "te_parallel_update_count": counts}}
-    if recipe.scaling != "delayed":
+    if not gemm_quantizers(recipe).has_state:  # (only quantizers with state keep scales and histories per slot)
         return state
     for direction, te_per, ours_per in (("fwd", 3, 2), ("bwd", 2, 1)):
         cols = _te_columns(num_gemms, te_per, ours_per)

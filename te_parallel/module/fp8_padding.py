@@ -7,9 +7,11 @@ again. Each is the other's adjoint, so the backward of one is the forward of the
 both from the index_copy / index_select below).
 
 align_size None: taken from the recipe of the innermost `fp8_autocast` region on the first forward (as TE
-does), and kept: 16 for per-tensor scaling (FP8 GEMMs need dimensions that are multiples of 16), 128 for
-Float8BlockScaling (a 1x128 tile along the token dim of the weight-gradient operands must not straddle two
-experts), 32 for MXFP8, 128 for NVFP4; 16 outside any region.
+does), and kept: the `row_alignment` its GEMM input and gradient quantizers declare
+(te_parallel.fp8.gemm_quantizers), the larger of the two: 16 for one scale per tensor (FP8 GEMMs need
+dimensions that are multiples of 16), 128 for 1x128 tiles (Float8BlockScaling: a tile along the token dim of
+the weight-gradient operands must not straddle two experts); 16 outside any region, and for a recipe the
+modules do not run (no GEMM quantizers registered: MXFP8, NVFP4).
 
 m_splits is a host list (TE's contract), so the sizes are known without a device sync; the row map is built
 on the device from one small host-to-device copy that does not block.
@@ -22,19 +24,23 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from te_parallel.fp8.autocast import current_frame
+from te_parallel.fp8.gemm_quantizers import gemm_quantizers
+from te_parallel.fp8.recipe_registry import factories_of
 from te_parallel.ops.moe_permute import host_to_device
 
 __all__ = ["Fp8Padding", "Fp8Unpadding", "align_size_for_recipe"]
 
-_ALIGN_BY_SCALING = {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32, "nvfp4": 128}
 _DEFAULT_ALIGN = 16
 
 
 def align_size_for_recipe(recipe) -> int:
-    """The row alignment grouped GEMMs need under `recipe` (None: no FP8 region, 16)."""
-    if recipe is None:
+    """The row alignment grouped GEMMs need under `recipe`: the larger `row_alignment` of its GEMM input and
+    gradient quantizers (module doc); 16 for None (no FP8 region) or a recipe without GEMM quantizers."""
+    entry = None if recipe is None else factories_of(recipe)
+    if entry is None or entry.gemm is None:
         return _DEFAULT_ALIGN
-    return _ALIGN_BY_SCALING.get(recipe.scaling, _DEFAULT_ALIGN)
+    quantizers = gemm_quantizers(recipe)
+    return max(quantizers.input.row_alignment, quantizers.grad.row_alignment)
 
 
 def _check_args(owner: str, num_gemms: int, align_size: Optional[int]) -> None:

@@ -21,13 +21,12 @@ from te_parallel.module.base import (
 )
 from te_parallel.module.init import DEFAULT_INIT, ShardedInit
 from te_parallel.module.params import _are_adjacent, _retie_views, cat_params, tp_rank
-from te_parallel.ops.grouped_fp8 import GroupedFP8
+from te_parallel.ops.grouped_fp8 import GroupedFP8, missing_for_grouped
 from te_parallel.ops.grouped_gemm import GroupedLinearFunction, GroupedPlan, make_splits
 from te_parallel.ops.linear import LinearParallel, WgradTarget
 from te_parallel.parallel.sharding import ShardLayout, replicated, split_layout
 
 OWNER = "GroupedLinear"
-BLOCK_ROWS = 128  # block scaling: each expert's rows, for wgrad's 1x128 tiles along the tokens
 
 
 class GroupedLinear(GemmModule):
@@ -42,10 +41,12 @@ class GroupedLinear(GemmModule):
     g's rows at g·out), single_grouped_bias=True: one `bias` [num_gemms, out]. A checkpoint of either layout loads
     into either.
 
-    FP8 under fp8_autocast (delayed, current or block scaling): the input and the output gradient are each cast
-    once for all experts (per-tensor recipes: one scale for all of them), each expert's weight with its own scale
-    (ops.grouped_fp8). Block scaling needs, for the weight gradient, every expert's rows a multiple of 128
-    (checked where m_splits is on the host; pad the experts' tokens, e.g. with Fp8Padding).
+    FP8 under fp8_autocast (delayed, current or block scaling, or any registered recipe whose quantizers give what
+    ops.grouped_fp8.missing_for_grouped asks): the input and the output gradient are each cast once for all
+    experts (per-tensor recipes: one scale for all of them), each expert's weight with its own scale
+    (ops.grouped_fp8). Tiled input and gradient quantizers (block scaling) need, for the weight gradient, every
+    expert's rows a multiple of their row_alignment, 128 (checked where m_splits is on the host; pad the experts'
+    tokens, e.g. with Fp8Padding).
 
     Tensor parallelism: parallel_mode "column" splits out_features, "row" in_features; the experts' weights are
     split alike. tp_collectives (te_parallel's addition, default True): the layer sums over tp_group itself, as
@@ -56,7 +57,8 @@ class GroupedLinear(GemmModule):
 
     fuse_wgrad_accumulation: dW goes into each weight's `main_grad`. delay_wgrad_compute: backward runs dgrad
     only; backward_dw() runs the weight-gradient GEMM and adds it to the weights' grad (or main_grad).
-    save_original_input (FP8, current or block scaling): keep x in high precision and cast it again for wgrad.
+    save_original_input (FP8 whose input scale comes from the tensor: current or block scaling): keep x in high
+    precision and cast it again for wgrad.
     """
 
     def __init__(
@@ -278,55 +280,59 @@ class GroupedLinear(GemmModule):
 
     def _grouped_fp8(self, frame, weights, weight, is_first_microbatch, par: LinearParallel, splits,
                      need_wgrad: bool) -> Optional[GroupedFP8]:
-        """The FP8 plan of this call (None outside FP8 / calibration): the checks of the recipe against this layer
-        and these splits, the delayed-scaling bookkeeping, the experts' weights cast (or taken from the cache)."""
+        """The FP8 plan of this call (None outside FP8 / calibration): the checks of the recipe's quantizers against
+        this layer and these splits, the scaling-state bookkeeping (quantizers with state), the experts' weights
+        cast (or taken from the cache)."""
         if frame is None:
             return None
-        recipe, group = frame.recipe, self._fp8_group(frame)
+        recipe, quantizers, group = frame.recipe, frame.quantizers, self._fp8_group(frame)
         if frame.enabled:
-            self._check_fp8(recipe, weight, splits, need_wgrad)
+            self._check_fp8(recipe, quantizers, weight, splits, need_wgrad)
         state = self._modules["fp8_state"]
-        delayed = recipe.scaling == "delayed"
+        stateful = quantizers.has_state  # scales and amax histories in `state`, updated after each pass
         done = None
-        if delayed:
+        if stateful:
             done = lambda: _autocast.record_backward(state, recipe, group)  # noqa: E731
         stash = _autocast.checkpoint_stash()
         if stash is not None and stash.replaying:  # te.checkpoint's recompute: the original pass's scales and W
             scale, weight_q = stash.replay()
             return GroupedFP8(recipe, state, self.num_gemms, weight_q, frame.enabled, par.amax_group, fwd_scale=scale,
-                              record=False, backward_done=done)
-        if delayed:
+                              record=False, backward_done=done, quantizers=quantizers)
+        if stateful:
             state.ensure_history_len(recipe.amax_history_len)
             _autocast.record_forward(state, recipe, group)
-        cfg = GroupedFP8(recipe, state, self.num_gemms, None, frame.enabled, par.amax_group, backward_done=done)
+        cfg = GroupedFP8(recipe, state, self.num_gemms, None, frame.enabled, par.amax_group, backward_done=done,
+                         quantizers=quantizers)
         if frame.enabled:
             cfg.weight = self._cached_weight(cfg, weights, weight, is_first_microbatch, par.amax_group)
         else:
             cfg.record_weight_amax(weight.detach())
         if stash is not None:
-            stash.record(state.fwd_scale.clone() if delayed else None, cfg.weight)
+            stash.record(state.fwd_scale.clone() if stateful else None, cfg.weight)
         return cfg
 
-    def _check_fp8(self, recipe, weight: torch.Tensor, splits, need_wgrad: bool) -> None:
+    def _check_fp8(self, recipe, quantizers, weight: torch.Tensor, splits, need_wgrad: bool) -> None:
+        """What this call's FP8 needs of the recipe's quantizers (ops.grouped_fp8.missing_for_grouped), of the
+        layer and of the splits; once per call, from what the quantizers declare."""
         n, k = self.out_features, self.in_features
-        if recipe.scaling not in ("delayed", "current", "block"):
-            raise ValueError(f"{OWNER}: runs FP8 under DelayedScaling, Float8CurrentScaling and Float8BlockScaling, "
-                             f"not {type(recipe).__name__}")
+        name = type(recipe).__name__
+        missing = missing_for_grouped(quantizers)
+        if missing is not None:
+            raise ValueError(f"{OWNER}: cannot run FP8 under {name}: {missing}")
         if (n | k) & 15:
             raise ValueError(f"{OWNER}: FP8 GEMMs need in and out features that are multiples of 16 (TE's rule), got "
                              f"{k} and {n} on this rank; use such sizes or run this layer outside fp8_autocast")
-        if recipe.scaling == "block" and (recipe.block_dim("x") != 1 or recipe.block_dim("grad") != 1):
-            raise ValueError(f"{OWNER}: block scaling of grouped GEMMs takes 1x128 tiles of the input and gradient; "
-                             f"got x_block_scaling_dim={recipe.block_dim('x')}, "
-                             f"grad_block_scaling_dim={recipe.block_dim('grad')}")
-        if recipe.scaling == "block" and need_wgrad and splits.aligned(BLOCK_ROWS) is False:
-            raise ValueError(f"{OWNER}: under Float8BlockScaling each expert's rows must be a multiple of {BLOCK_ROWS} "
-                             f"(the weight gradient's 1x128 tiles run along the tokens), got m_splits "
-                             f"{list(splits.counts)}; pad each expert's tokens to a multiple of {BLOCK_ROWS} "
-                             f"(te.Fp8Padding does)")
-        if self.save_original_input and recipe.scaling == "delayed":
-            raise ValueError(f"{OWNER}: save_original_input=True needs Float8CurrentScaling or Float8BlockScaling "
-                             f"(a delayed scale moves on before backward); set it False under DelayedScaling")
+        if need_wgrad and not quantizers.per_tensor:  # (tiles: the weight gradient's columnwise ones run along M)
+            align = max(quantizers.input.row_alignment, quantizers.grad.row_alignment)
+            if splits.aligned(align) is False:
+                raise ValueError(f"{OWNER}: under {name} each expert's rows must be a multiple of {align} (the weight "
+                                 f"gradient's tiles of the input and gradient run along the tokens), got m_splits "
+                                 f"{list(splits.counts)}; pad each expert's tokens to a multiple of {align} "
+                                 f"(te.Fp8Padding does)")
+        if self.save_original_input and quantizers.input.has_state:
+            raise ValueError(f"{OWNER}: save_original_input=True needs an input quantizer whose scale comes from the "
+                             f"tensor itself; {name}'s input scale is kept state that moves on before backward; set "
+                             f"save_original_input=False under {name}")
         if weight.dtype == torch.float64:
             raise TypeError(f"{OWNER}: FP8 GEMMs need float32/bfloat16/float16 parameters, got float64")
 

@@ -2,32 +2,35 @@
 
 The grouped layer's FP8 counterpart of ops.fp8_gemm_config.GemmFP8. The casts are of whole operands, never a
 loop over experts:
-* x [M, K] and dy [M, N], the rows of all experts at once, are cast ONCE each. Per-tensor recipes give the
-  grouped operand one scale (its slot is GEMM 0's input / gradient slot of the module's FP8ScalingState);
-  block scaling gives it 1x128 tiles, which along K are per row, hence per expert, whatever the split. The
-  columnwise tiles that wgrad reads run along M: an expert's tiles are its own only where every expert's rows
-  are a multiple of 128 (GroupedLinear checks it where m_splits is on the host).
-* W [G, N, K], the stacked experts' weights, gets one scale PER EXPERT (per-tensor recipes: expert g's weight
-  takes GEMM g's weight slot, so each expert's delayed-scaling history is its own), from one amax reduction of
-  all the experts' weights at once; block scaling quantizes W as one [G·N, K] tensor whose 128-row blocks are
-  each one expert's (rows padded to a multiple of 128 per expert where N is not one).
+* x [M, K] and dy [M, N], the rows of all experts at once, are cast ONCE each, by the recipe's input and
+  gradient quantizers as GEMM 0's operands (a quantizer with state reads GEMM 0's input / gradient slot of
+  the module's FP8ScalingState). Per tensor: one scale for the grouped operand. 1x128 tiles: along K they
+  are per row, hence per expert, whatever the split; the columnwise tiles that wgrad reads run along M, so an
+  expert's tiles are its own only where every expert's rows are a multiple of the quantizer's row_alignment
+  (GroupedLinear checks it where m_splits is on the host).
+* W [G, N, K], the stacked experts' weights, gets one scale PER EXPERT: per-tensor weight quantizers give the
+  G scales from one amax reduction of all the experts' weights at once (`expert_scales`; the delayed family
+  takes GEMM g's weight slot for expert g, so each expert's history is its own); a tiled weight quantizer
+  casts W as one [G·N, K] tensor whose 128-row blocks are each one expert's (`quantize_blocks`; rows padded
+  to a multiple of 128 per expert where N is not one).
 Per-expert weight scales cost nothing in the grouped GEMM (torch._scaled_grouped_mm takes one scale per
 column of each B[g]), follow each expert's own range, and are what a per-expert te.Linear would use.
+
+Nothing here asks which recipe made the quantizers: `missing_for_grouped(quantizers)` says in words what a
+recipe's quantizers lack for these casts and GEMMs (None: they run), from what the quantizers declare.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from te_parallel.fp8.blockwise import BLOCK, quantize_blockwise
-from te_parallel.fp8.scaling import current_scale_torch
+from te_parallel.fp8.gemm_quantizers import GemmQuantizers, Granularity, OperandQuantizer, gemm_quantizers
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.ops import grouped_cast
-from te_parallel.ops.cast import amax_of, quantize, quantize_current
-from te_parallel.ops.fp8_gemm_config import _reduce_amax, _spans_ranks
 from te_parallel.ops.fp8_transpose import transposed_copy
 from te_parallel.recipe import Recipe, fp8_max
 
@@ -103,12 +106,17 @@ def _per_expert_rows(w3: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def quantize_grouped_block(w3: torch.Tensor, fp8_dtype: torch.dtype, block_dim: int, *, pow2: bool = True,
-                           eps: float = 0.0) -> GroupedBlockWeight:
-    """Block-quantize W [G, N, K] per expert in one cast (both directions for 1x128 tiles)."""
+                           eps: float = 0.0, cast: Optional[Callable] = None) -> GroupedBlockWeight:
+    """Block-quantize W [G, N, K] per expert in one cast (both directions for 1x128 tiles). cast: a tiled
+    quantizer's `quantize_blocks(x, rowwise=, columnwise=)` (None: fp8.blockwise's, with pow2 and eps)."""
     g, n, k = w3.shape
     w2 = _per_expert_rows(w3, BLOCK)
     np_ = w2.shape[0] // max(g, 1)
-    q = quantize_blockwise(w2, fp8_dtype, block_dim, rowwise=True, columnwise=block_dim == 1, pow2=pow2, eps=eps)
+    if cast is None:
+        q = quantize_blockwise(w2, fp8_dtype, block_dim, rowwise=True, columnwise=block_dim == 1, pow2=pow2,
+                               eps=eps)
+    else:
+        q = cast(w2, rowwise=True, columnwise=block_dim == 1)
     data = q.data.view(g, np_, k)[:, :n]
     data = data if np_ == n else data.contiguous()
     if block_dim == 2:
@@ -152,8 +160,57 @@ def quantize_grouped_reference(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype:
     return data
 
 
+def _scales_of(q: OperandQuantizer) -> str:
+    if q.granularity is Granularity.TENSOR:
+        return "one scale per tensor"
+    tiles = "1x128 tiles" if q.granularity is Granularity.TILE_1x128 else "128x128 blocks"
+    return f"{tiles} ({q.role}_block_scaling_dim={q.granularity.block_dim})"
+
+
+# id(quantizers) -> (quantizers, what they lack): a recipe's set is made once (and frozen), so its answer is
+# worked out once, not on every call (the set is held so that its id is not reused while the entry exists)
+_MISSING: Dict[int, Tuple[GemmQuantizers, Optional[str]]] = {}
+
+
+def missing_for_grouped(quantizers: GemmQuantizers) -> Optional[str]:
+    """What `quantizers` lack for a grouped linear layer's casts and GEMMs, in words (None: nothing). The
+    grouped GEMMs take one scale per tensor for all three operands (each expert's weight its own:
+    `expert_scales`), or 1x128 tiles of the input and gradient with 1x128 / 128x128 weights cast through
+    `quantize_blocks`."""
+    hit = _MISSING.get(id(quantizers))
+    if hit is not None and hit[0] is quantizers:
+        return hit[1]
+    if len(_MISSING) >= 64:
+        _MISSING.clear()
+    missing = _missing(quantizers)
+    _MISSING[id(quantizers)] = (quantizers, missing)
+    return missing
+
+
+def _missing(quantizers: GemmQuantizers) -> Optional[str]:
+    x, w, dy = quantizers.input, quantizers.weight, quantizers.grad
+    if quantizers.per_tensor:
+        if not w.gives_expert_scales:
+            return (f"its weight quantizer {type(w).__name__} gives no per-expert scales (expert_scales: one scale "
+                    f"per expert's weight, all cast at once)")
+        return None
+    tile = Granularity.TILE_1x128
+    if x.granularity is not tile or dy.granularity is not tile or w.granularity is Granularity.TENSOR:
+        return (f"grouped GEMMs take 1x128 tiles of the input and gradient with tiled weights, or one scale per "
+                f"tensor for all three; its input has {_scales_of(x)}, its weight {_scales_of(w)}, its gradient "
+                f"{_scales_of(dy)}")
+    if not callable(getattr(w, "quantize_blocks", None)):
+        return (f"its tiled weight quantizer {type(w).__name__} has no quantize_blocks(x, rowwise, columnwise) to "
+                f"cast the experts' weights as one tensor")
+    return None
+
+
 @dataclass(slots=True)
 class GroupedFP8:
+    """A grouped layer's FP8 plan of one call: each cast is its operand's quantizer's (the recipe's
+    GemmQuantizers, `quantizers`; the module checks them with missing_for_grouped first). For the quantizers
+    it is the GEMM config of GEMM 0 (`state`, `gemm`, `fwd_scale`, `record`), as GemmFP8 is for a linear layer."""
+
     recipe: Recipe
     state: FP8ScalingState
     num_gemms: int
@@ -165,92 +222,49 @@ class GroupedFP8:
     weight_src: Optional[torch.Tensor] = None  # (set by the module's weight cache; W is kept to backward)
     # delayed scaling: called after the backward cast (te_parallel.fp8.autocast.record_backward)
     backward_done: Optional[Callable[[], None]] = None
-    gemm: int = 0  # the weight cache's key
+    gemm: int = 0  # the weight cache's key; GEMM 0 to the quantizers (its slots are the grouped operands')
+    # the recipe's quantizer of each operand kind (te_parallel.fp8.gemm_quantizers; None: looked up here)
+    quantizers: Optional[GemmQuantizers] = None
 
-    @property
-    def quantizers(self):
-        """The recipe's quantizer of each operand kind (te_parallel.fp8.gemm_quantizers; the weight cache's key)."""
-        from te_parallel.fp8.gemm_quantizers import gemm_quantizers
-
-        return gemm_quantizers(self.recipe)
-
-    @property
-    def delayed(self) -> bool:
-        return self.recipe.scaling == "delayed"
-
-    @property
-    def block(self) -> bool:
-        return self.recipe.scaling == "block"
-
-    def _scale(self, backward: bool, slot):
-        """(scale, amax cells or None) of delayed-scaling slots: an int (one slot) or a slice (the experts')."""
-        row0 = self.state.history_row0(backward)
-        scales = self.state.bwd_scale if backward else (self.fwd_scale if self.fwd_scale is not None
-                                                        else self.state.fwd_scale)
-        if isinstance(slot, int):
-            scale, cells = scales[slot], row0[slot: slot + 1]
-        else:
-            scale, cells = scales[slot], row0[slot]
-        return scale, cells if (self.record or backward) else None
+    def __post_init__(self) -> None:
+        if self.quantizers is None:
+            self.quantizers = gemm_quantizers(self.recipe)
 
     # weights ----------------------------------------------------------------------------------------
     def quantize_weight(self, w2d: torch.Tensor, amax_group=None):
         """The experts' weights ([G·N, K], rows of expert g at g·N) quantized per expert."""
         w3 = w2d.view(self.num_gemms, -1, w2d.shape[1])
-        dtype = self.recipe.fp8_format.fwd_dtype
-        if self.block:
-            qp = self.recipe.qparams("w")
-            return quantize_grouped_block(w3, dtype, self.recipe.block_dim("w"), pow2=qp.power_2_scale,
-                                          eps=qp.amax_epsilon)
-        amax = expert_amax(w3)
-        if self.delayed:
-            scale, cells = self._scale(False, slice(1, None, 2))  # weight slots 2g+1
-            if cells is not None:
-                cells.copy_(torch.maximum(cells, amax))
-        else:
-            scale = current_scale_torch(_reduce_amax(amax, amax_group) if _spans_ranks(amax_group) else amax,
-                                        fp8_max(dtype))
-        return quantize_grouped(w3, scale, dtype)
+        q = self.quantizers.weight
+        if q.granularity is not Granularity.TENSOR:
+            return quantize_grouped_block(w3, q.fp8_dtype, q.granularity.block_dim, cast=q.quantize_blocks)
+        scale = q.expert_scales(expert_amax(w3), self, amax_group)
+        return quantize_grouped(w3, scale, q.fp8_dtype)
 
     def record_weight_amax(self, w2d: torch.Tensor) -> None:
-        """Calibration: the experts' weight amaxes (delayed scaling)."""
-        if self.delayed:
-            cells = self._scale(False, slice(1, None, 2))[1]
-            if cells is not None:
-                cells.copy_(torch.maximum(cells, expert_amax(w2d.view(self.num_gemms, -1, w2d.shape[1]))))
+        """Calibration: the experts' weight amaxes, where the weight quantizer keeps state."""
+        q = self.quantizers.weight
+        if q.has_state:
+            q.record_expert_amax(expert_amax(w2d.view(self.num_gemms, -1, w2d.shape[1])), self)
 
     # activations and gradients -----------------------------------------------------------------------
     def cast_input(self, x: torch.Tensor, transpose: bool):
-        """x [M, K] (all experts' rows), with its transposed copy (per tensor) or columnwise tiles (block) when
-        wgrad will read it."""
-        return self._cast(x, False, rowwise=True, transpose=transpose)
+        """x [M, K] (all experts' rows), with its transposed copy (per tensor) or columnwise tiles when wgrad
+        will read it."""
+        return self.quantizers.input.quantize(x, self, transpose, self.group)
 
     def cast_grad(self, dy: torch.Tensor, rowwise: bool, transpose: bool):
         """dy [M, N]: rowwise for dgrad, transposed / columnwise for wgrad."""
-        q = self._cast(dy, True, rowwise=rowwise, transpose=transpose)
+        q = self.quantizers.grad
+        if rowwise or not transpose:
+            out = q.quantize(dy, self, transpose, self.group)
+        else:
+            out = q.quantize_columnwise(dy, self, self.group)
         self.on_backward()
-        return q
-
-    def _cast(self, t: torch.Tensor, backward: bool, rowwise: bool, transpose: bool):
-        fmt = self.recipe.fp8_format
-        dtype = fmt.bwd_dtype if backward else fmt.fwd_dtype
-        if self.block:
-            role = "grad" if backward else "x"
-            qp = self.recipe.qparams(role)
-            return quantize_blockwise(t, dtype, 1, rowwise=rowwise, columnwise=transpose, pow2=qp.power_2_scale,
-                                      eps=qp.amax_epsilon)
-        if self.delayed:
-            scale, cell = self._scale(backward, 0)  # GEMM 0's input / gradient slot: the grouped operand's
-            return quantize(t, scale, dtype, amax_out=cell, transpose=transpose, rowwise=rowwise or not transpose)
-        amax = _reduce_amax(amax_of(t), self.group) if _spans_ranks(self.group) else None
-        return quantize_current(t, dtype, amax=amax, transpose=transpose)
+        return out
 
     def record_amax(self, t: torch.Tensor, backward: bool) -> None:
         """Calibration: record the amax the input (or gradient) cast would have recorded."""
-        if self.delayed:
-            cell = self._scale(backward, 0)[1]
-            if cell is not None:
-                torch.maximum(cell, amax_of(t).view(1), out=cell)
+        (self.quantizers.grad if backward else self.quantizers.input).record_amax(t, self)
         if backward:
             self.on_backward()
 

@@ -61,7 +61,7 @@ def test_auto_uses_the_measured_break_even_and_reports_it(caplog, monkeypatch):
     level = gemm_size.intensity(64, 256, 128)  # 36.6 multiply-adds per element cast
     monkeypatch.setattr(gemm_size, "_RESOLVED", {})
     monkeypatch.setattr(gemm_size, "_REPORTED", set())  # (an earlier test may have logged this shape)
-    monkeypatch.setitem(gemm_size.BREAK_EVEN, cap, {"delayed": level + 0.5, "current": level - 0.5})
+    monkeypatch.setitem(gemm_size.BREAK_EVEN, cap, {"DelayedScalingQuantizer": level + 0.5, "CurrentScalingQuantizer": level - 0.5})
     with caplog.at_level(logging.INFO, logger="te_parallel"):
         with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(min_fp8_gemm="auto")):
             below = lin(x)
