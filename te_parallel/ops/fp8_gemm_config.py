@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from te_parallel.fp8.gemm_quantizers import GemmQuantizers
 from te_parallel.fp8.gemm_quantizers import reduce_amax as _reduce_amax
-from te_parallel.fp8.gemm_quantizers import spans_ranks as _spans_ranks  # noqa: F401 (ops.grouped_fp8 imports it here)
 from te_parallel.fp8.scaling import current_scale
 from te_parallel.fp8.state import FP8ScalingState
 from te_parallel.fp8.tensor import Float8Tensor
