@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
     out = {}
     for world, plan in RUNS.items():
         path = str(tmp_path_factory.mktemp("mcore_moe") / f"world{world}.pt")
-        spawn(moe_worker, world, path, plan)
+        spawn(moe_worker, world, path, plan, cpu=True)  # (a CPU suite: gloo, also on a GPU host)
         out[world] = torch.load(path)
     return out
 

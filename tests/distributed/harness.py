@@ -59,10 +59,23 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int, *args) -> None:
-    """Run fn(rank, world, device, *args) on `world` processes; re-raises a worker's failure."""
+def spawn(fn: Callable, world: int, *args, cpu: bool = False) -> None:
+    """Run fn(rank, world, device, *args) on `world` processes; re-raises a worker's failure.
+
+    cpu=True: a CPU suite (gloo, CPU tensors) also on a host with GPUs: the workers start with no GPU visible
+    (CUDA_VISIBLE_DEVICES empty), so neither the backend choice nor code that asks torch.cuda sees one."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # (inherited by the workers when they start)
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    finally:
+        if cpu:
+            if hidden is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
 def agree(group, device: torch.device, local_checks: Callable[[], None]) -> None:

@@ -87,3 +87,17 @@ def test_worlds_skip_reasons(monkeypatch):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def _sees_no_gpu(rank, world, device, out_dir):
+    """What a CPU suite's worker sees: no GPU, gloo, the CPU device."""
+    seen = (os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(), dist.get_backend(), device.type)
+    torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_cpu_suites_see_no_gpu_and_the_caller_keeps_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # (what a GPU host's caller may have; restored after)
+    spawn(_sees_no_gpu, 2, str(tmp_path), cpu=True)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == ("", 0, "gloo", "cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
