@@ -173,18 +173,19 @@ class _Unpermute(torch.autograd.Function):
 
 class _SortChunks(torch.autograd.Function):
     """out = inp[src] with src the inverse of dst; backward: grad[dst]. Both directions are gathers (autograd's
-    own backward of a gather would be an index_add_)."""
+    own backward of a gather would be an index_add_), by index_select: a permutation of whole rows, which it
+    moves at least as fast as moe_rows' gather (H200, docs/moe.md)."""
 
     @staticmethod
     def forward(ctx, inp, probs, dst):
         src = torch.zeros_like(dst).scatter_(0, dst, torch.arange(dst.numel(), device=dst.device))
         ctx.save_for_backward(dst)
-        return gather_rows(inp, src)[0], None if probs is None else probs.index_select(0, src)
+        return inp.index_select(0, src), None if probs is None else probs.index_select(0, src)
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
         (dst,) = ctx.saved_tensors
-        grad_inp = gather_rows(grad_out, dst)[0] if ctx.needs_input_grad[0] else None
+        grad_inp = grad_out.index_select(0, dst) if ctx.needs_input_grad[0] else None
         grad_p = grad_probs.index_select(0, dst) if ctx.needs_input_grad[1] and grad_probs is not None else None
         return grad_inp, grad_p, None
 

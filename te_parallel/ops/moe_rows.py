@@ -6,7 +6,7 @@
 
 moe_permute is a gather (its backward a segment sum: each token's row gradients); moe_unpermute is a segment sum
 (its backward a gather scaled by the merging probs, with the probs' gradients as the dot products of the same
-pass); moe_sort_chunks_by_index is a gather both ways. The kernels read each moved row once and write it once:
+pass); moe_sort_chunks_by_index, a permutation of whole rows, stays on index_select. The kernels read each moved row once and write it once:
 the products and sums are taken in fp32 (fp64 for fp64 rows) in registers and rounded once on the store, so no
 fp32 copy of the rows is ever written, no atomics are used, and a token's rows are summed in a fixed order (the
 order of perm), which makes the sums deterministic.
