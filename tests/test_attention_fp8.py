@@ -4,9 +4,6 @@ high-precision attention, forward and gradients; the scale and amax bookkeeping 
 and current scaling; the fallbacks and errors. The kernels themselves: tests/gpu/test_attention_fp8_cuda.py."""
 import collections
 import math
-import os
-import subprocess
-import sys
 import types
 import warnings
 
@@ -26,6 +23,7 @@ from te_parallel.ops import fp8_dequantize
 from te_parallel.ops.attention import Band
 from tests.attention_reference import causal, ref_attention
 from tests.reference import rel_err
+from tests import triton_interpreter
 
 S, B, H, G, D = 64, 2, 4, 2, 32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -496,11 +494,7 @@ def run_dequantize_interpreted() -> None:
 
 @pytest.mark.skipif(fp8_dequantize.triton is None, reason="needs triton (import triton failed)")
 def test_dequantize_kernel_under_the_triton_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "from tests.test_attention_fp8 import run_dequantize_interpreted as r; r()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    triton_interpreter.run_interpreted("tests.test_attention_fp8", "run_dequantize_interpreted")
 
 
 def test_dequantize_checks_and_cpu_path():

@@ -6,9 +6,6 @@ The operands are built as the MoE layer would: the rows of x (or dy) sorted by e
 tiles (rowwise along K for fprop, columnwise along M for wgrad), each expert's weight in 128x128 blocks or
 1x128 tiles, in the layouts of te_parallel.ops.gemm's block_mm operands.
 """
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import List
 
@@ -22,9 +19,9 @@ from te_parallel.ops.fp8_transpose import transposed_copy
 from te_parallel.recipe import fp8_max
 from te_parallel.ops.grouped_gemm import GroupSplits, constant_block_scales, fp8_grouped_mm, grouped_mm_reference
 from tests.reference import rel_err
+from tests import triton_interpreter
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -355,7 +352,4 @@ def test_autotune_candidates_narrow_and_restore():
 
 @pytest.mark.skipif(gbg.triton is None, reason="needs triton (import triton failed); CI installs none")
 def test_kernels_under_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "from tests.test_grouped_block_gemm import run_interpreted; run_interpreted()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    triton_interpreter.run_interpreted("tests.test_grouped_block_gemm", "run_interpreted")

@@ -7,18 +7,13 @@ no row and rows no token takes (padding), one token, no rows; bf16 / fp32 / fp64
 at and past one tile."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from te_parallel.ops import moe_rows
 from te_parallel.ops.moe_permute import _by_token, _sources, _token_of
+from tests import triton_interpreter
 
-ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
 
 
@@ -141,7 +136,4 @@ def run_interpreted() -> None:
 
 @pytest.mark.skipif(moe_rows.triton is None, reason="needs triton (import triton failed)")
 def test_kernels_under_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "from tests.test_moe_rows import run_interpreted; run_interpreted()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    triton_interpreter.run_interpreted("tests.test_moe_rows", "run_interpreted", timeout=800)
