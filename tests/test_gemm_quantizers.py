@@ -269,6 +269,12 @@ class _TiledInputScaling(R.Recipe):
     scaling = "tiled_input"
 
 
+class _BlockInputScaling(R.Recipe):
+    """A test recipe with 128x128 blocks of the input, 1x128 tiles of the weight and gradient."""
+
+    scaling = "block_input"
+
+
 def _linear_only(recipe):
     fmt = recipe.fp8_format
     return GQ.GemmQuantizers(_ThirdRangeQuantizer("x", fmt.fwd_dtype),
@@ -281,6 +287,31 @@ def _tiled_input(recipe):
     return GQ.GemmQuantizers(GQ.BlockScalingQuantizer("x", fmt.fwd_dtype, 1, qp),
                              GQ.CurrentScalingQuantizer("w", fmt.fwd_dtype),
                              GQ.BlockScalingQuantizer("grad", fmt.bwd_dtype, 1, qp))
+
+
+def _block_input(recipe):
+    fmt, qp = recipe.fp8_format, R.QParams()
+    return GQ.GemmQuantizers(GQ.BlockScalingQuantizer("x", fmt.fwd_dtype, 2, qp),
+                             GQ.BlockScalingQuantizer("w", fmt.fwd_dtype, 1, qp),
+                             GQ.BlockScalingQuantizer("grad", fmt.bwd_dtype, 1, qp))
+
+
+def test_quantizers_that_mix_per_tensor_and_tiled_scales_are_refused_in_one_line(device, monkeypatch):
+    """The dense and grouped GEMMs pair per-tensor operands with per-tensor ones and tiled with tiled: a
+    registered recipe whose quantizers mix them is refused by fp8_autocast, in one line naming the recipe and
+    each operand's scales, before any module runs."""
+    monkeypatch.setattr(RR, "_REGISTERED", dict(RR._REGISTERED))
+    monkeypatch.setattr(GQ, "_MADE", {})
+    RR.register_recipe(_TiledInputScaling, gemm=_tiled_input, quantizer=None)
+    m = te.Linear(128, 128, device=device)
+    x = torch.randn(16, 128, device=device)
+    with pytest.raises(ValueError) as e:
+        with te.fp8_autocast(fp8_recipe=_TiledInputScaling(fp8_format=R.Format.E4M3)):
+            m(x)
+    msg = str(e.value)
+    assert "\n" not in msg and "_TiledInputScaling's quantizers mix one scale per tensor with tiled scales" in msg
+    assert "input 1x128 tiles, weight one scale per tensor, gradient 1x128 tiles" in msg, msg
+    assert m.fp8_state.fwd_amax_history.abs().max() == 0  # nothing ran in FP8
 
 
 def test_a_registered_recipe_runs_grouped_linear_and_fp8_padding(device, monkeypatch):
@@ -328,7 +359,7 @@ def test_a_registered_recipe_runs_grouped_linear_and_fp8_padding(device, monkeyp
 @pytest.mark.parametrize("recipe_type, factory, words", [
     (_ThirdRangeLinearOnly, _linear_only, ("_ThirdRangeLinearOnlyQuantizer", "gives no per-expert scales",
                                            "expert_scales")),
-    (_TiledInputScaling, _tiled_input, ("1x128 tiles (x_block_scaling_dim=1)", "its weight one scale per tensor")),
+    (_BlockInputScaling, _block_input, ("128x128 blocks (x_block_scaling_dim=2)", "1x128 tiles of the input")),
 ])
 def test_grouped_linear_refuses_quantizers_it_cannot_run_in_one_line(device, monkeypatch, recipe_type, factory,
                                                                      words):

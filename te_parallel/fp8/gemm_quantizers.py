@@ -357,10 +357,21 @@ def gemm_quantizers(recipe: Recipe) -> GemmQuantizers:
     if hit is not None and hit[0] is recipe and hit[1] is make:
         return hit[2]
     made = make(recipe)
+    ops = (made.input, made.weight, made.grad)
+    if len({q.granularity is Granularity.TENSOR for q in ops}) > 1:  # (the GEMMs pair like with like: ops/gemm.py)
+        sets = ", ".join(f"{name} {_granularity_words(q)}" for name, q in zip(("input", "weight", "gradient"), ops))
+        raise ValueError(f"fp8_autocast: {type(recipe).__name__}'s quantizers mix one scale per tensor with tiled "
+                         f"scales ({sets}); te_parallel's GEMMs take one scale per tensor for every operand, or "
+                         f"tiles and blocks for every operand")
     if len(_MADE) >= _MADE_MAX:
         _MADE.clear()
     _MADE[id(recipe)] = (recipe, make, made)
     return made
+
+
+def _granularity_words(q: OperandQuantizer) -> str:
+    return {Granularity.TENSOR: "one scale per tensor", Granularity.TILE_1x128: "1x128 tiles",
+            Granularity.BLOCK_128x128: "128x128 blocks"}[q.granularity]
 
 
 # the built-in recipes: each registers its GEMM family and its TE-API quantizer (fp8.quantizers) in one call
