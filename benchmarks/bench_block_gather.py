@@ -99,16 +99,12 @@ def parse_args(argv=None):
     bad = [h for h in args.hidden if h < BLOCK or h % BLOCK]
     if bad:
         ap.error(f"--hidden {' '.join(map(str, bad))}: must be positive multiples of {BLOCK}")
-    if args.iters < 1 or args.rounds < 1:
-        ap.error(f"--iters {args.iters} --rounds {args.rounds}: each needs at least 1")
+    tb.check_counts(ap, args)
     return ap, args
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ap, args = parse_args(argv)
-    tb.launch(ap, args, argv)
-    world = tb.init(args.cpu)
+    args, world = tb.start(parse_args, argv)
     rows = []
     for hidden in args.hidden:
         rows += tb.all_rows(world, bench_hidden(world, args, hidden))

@@ -166,16 +166,12 @@ def parse_args(argv=None):
                  f"or use a multiple of {cp} heads")
     if args.head_dim % 8 or args.head_dim > 256:
         ap.error(f"--head-dim {args.head_dim}: needs a multiple of 8 up to 256")
-    if args.iters is not None and args.iters < 1 or args.rounds < 1:
-        ap.error(f"--iters {args.iters} --rounds {args.rounds}: each needs at least 1")
+    tb.check_counts(ap, args)
     return ap, args
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ap, args = parse_args(argv)
-    tb.launch(ap, args, argv)
-    world = tb.init(args.cpu)
+    args, world = tb.start(parse_args, argv)
     rows = []
     for s_local in args.seq:
         rows += tb.all_rows(world, bench_length(world, args, s_local))

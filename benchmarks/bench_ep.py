@@ -144,16 +144,12 @@ def parse_args(argv=None):
         ap.error(f"--experts {args.experts} is not divisible by the {ep} ranks of the EP group")
     if args.topk > args.experts:
         ap.error(f"--topk {args.topk} is more than --experts {args.experts}")
-    if args.iters < 1 or args.rounds < 1:
-        ap.error(f"--iters {args.iters} --rounds {args.rounds}: each needs at least 1")
+    tb.check_counts(ap, args)
     return ap, args
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ap, args = parse_args(argv)
-    tb.launch(ap, args, argv)
-    world = tb.init(args.cpu)
+    args, world = tb.start(parse_args, argv)
     dtype = torch.bfloat16 if world.cuda else torch.float32  # (the CPU's grouped GEMMs run in fp32)
     rows = []
     for part, fn in (("comm", bench_comm), ("layer", bench_layer)):

@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,21 @@ def launch(ap: Parser, args, argv: List[str]) -> None:
            os.path.abspath(sys.argv[0]), *rest]
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
+
+
+def check_counts(ap: Parser, args) -> None:
+    """--iters (None: the script's default) and --rounds: at least 1 each, else one line and exit status 2."""
+    if (args.iters is not None and args.iters < 1) or args.rounds < 1:
+        ap.error(f"--iters {args.iters} --rounds {args.rounds}: each needs at least 1")
+
+
+def start(parse_args: Callable[[List[str]], tuple], argv: Optional[List[str]] = None) -> tuple:
+    """A benchmark's start: (args, World) after its parse_args(argv) -> (parser, args), torchrun started where
+    it is not running yet (launch), and the process group made (init)."""
+    argv = sys.argv[1:] if argv is None else argv
+    ap, args = parse_args(argv)
+    launch(ap, args, argv)
+    return args, init(args.cpu)
 
 
 def init(cpu: bool) -> World:
