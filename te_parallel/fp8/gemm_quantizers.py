@@ -74,6 +74,11 @@ class Granularity(enum.Enum):
     def block_dim(self) -> int:
         return self.value
 
+    @property
+    def words(self) -> str:
+        """How error messages name it."""
+        return ("one scale per tensor", "1x128 tiles", "128x128 blocks")[self.value]
+
 
 class OperandQuantizer:
     """The cast of one operand kind ("x": GEMM input, "w": weight, "grad": output gradient) of a recipe.
@@ -359,7 +364,7 @@ def gemm_quantizers(recipe: Recipe) -> GemmQuantizers:
     made = make(recipe)
     ops = (made.input, made.weight, made.grad)
     if len({q.granularity is Granularity.TENSOR for q in ops}) > 1:  # (the GEMMs pair like with like: ops/gemm.py)
-        sets = ", ".join(f"{name} {_granularity_words(q)}" for name, q in zip(("input", "weight", "gradient"), ops))
+        sets = ", ".join(f"{name} {q.granularity.words}" for name, q in zip(("input", "weight", "gradient"), ops))
         raise ValueError(f"fp8_autocast: {type(recipe).__name__}'s quantizers mix one scale per tensor with tiled "
                          f"scales ({sets}); te_parallel's GEMMs take one scale per tensor for every operand, or "
                          f"tiles and blocks for every operand")
@@ -367,11 +372,6 @@ def gemm_quantizers(recipe: Recipe) -> GemmQuantizers:
         _MADE.clear()
     _MADE[id(recipe)] = (recipe, make, made)
     return made
-
-
-def _granularity_words(q: OperandQuantizer) -> str:
-    return {Granularity.TENSOR: "one scale per tensor", Granularity.TILE_1x128: "1x128 tiles",
-            Granularity.BLOCK_128x128: "128x128 blocks"}[q.granularity]
 
 
 # the built-in recipes: each registers its GEMM family and its TE-API quantizer (fp8.quantizers) in one call

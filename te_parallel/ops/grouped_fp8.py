@@ -162,9 +162,8 @@ def quantize_grouped_reference(w3: torch.Tensor, scale: torch.Tensor, fp8_dtype:
 
 def _scales_of(q: OperandQuantizer) -> str:
     if q.granularity is Granularity.TENSOR:
-        return "one scale per tensor"
-    tiles = "1x128 tiles" if q.granularity is Granularity.TILE_1x128 else "128x128 blocks"
-    return f"{tiles} ({q.role}_block_scaling_dim={q.granularity.block_dim})"
+        return q.granularity.words
+    return f"{q.granularity.words} ({q.role}_block_scaling_dim={q.granularity.block_dim})"
 
 
 # id(quantizers) -> (quantizers, what they lack): a recipe's set is made once (and frozen), so its answer is
